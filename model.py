@@ -1,0 +1,518 @@
+"""Masked-LM networks of the paper: BERT-style transformers (App. B.1.2) and bidirectional LSTMs
+(§2.2, the HMM models), named size presets, and grow(): a function-preserving embedding of a
+model into a wider and deeper one (App. B.1).
+
+    python model.py                 # list the presets with their parameter counts
+    python model.py --check-grow    # grow random float64 models and print max |logit diff|
+
+Interface (used by train.py, hessian.py, probe.py):
+    config = config_from_preset("tf-2m", vocab_size=V + 2, pad_id=V + 1, max_len=32, ln="pre")
+    net = build(config)             # nn.Module with .config
+    logits = net(tokens)            # [B, T, vocab_size]; tokens == config.pad_id are padding
+    h = net.features(tokens)        # [B, T, d], the last-layer representations probes read
+    big = grow(net, width=2, extra_layers=1)   # same logits, 2x heads/width, one more block
+
+Transformer (App. B.1.2). d = 64 * n_heads (head dimension 64), MLP width 4d with GeLU, token
+embedding W_E [vocab, d] tied to the output layer, learned positions, h_0 = LN(W_E[x] + P):
+    ln="post" (the paper's text):  v = LN(h + Attn(h));        h' = LN(v + MLP(v))
+    ln="pre"  (the authors' released academic-budget-bert code):
+                                   v = h + Attn(LN(h));        h' = v + MLP(LN(v))
+              followed by a final LayerNorm after the last block.
+    logits = h_L W_E^T + b.        Keys at padded positions are masked out of attention, so the
+    outputs at real positions do not depend on what stands in padded positions.
+
+LSTM. Parameter layout (names as in state_dict; hessian.py may re-implement the recurrence
+from them): embed.weight [vocab, H]; lstm = nn.LSTM(H, H, n_layers, bidirectional=True,
+batch_first=True) with PyTorch's names weight_ih_l{k}[_reverse] [4H, in_k] (in_0 = H, else 2H),
+weight_hh_l{k}[_reverse] [4H, H], bias_ih_l{k}[_reverse], bias_hh_l{k}[_reverse] [4H], gates in
+PyTorch's order (i, f, g, o); head.weight [vocab, 2H], head.bias [vocab]. Features are the
+top layer's [forward, backward] states, d = 2H. Padding must be a suffix (data.py's
+convention); padded sequences are packed, so the backward direction starts at the last real token.
+
+Sizes (§2.2: transformers 2M-730M, LSTMs 10M-135M; App. A.3's size table is lost from our copy
+of the paper, so the shapes are ours). Parameter counts depend on the vocabulary, so a preset's
+name is its count, within 5%, at the reference vocabulary of its family (REFERENCE):
+transformers at 30,522 tokens and 128 positions (BERT's vocabulary, which the authors' released
+code uses; at it, the shapes below give the sizes the paper quotes: 2M, 4M, 9M, 41M, 235M,
+730M), LSTMs at 202 tokens (the paper's HMM: 200 words + 2 special tokens). On a small synthetic
+vocabulary a transformer is much smaller: "tf-2m" (d=64, 2 layers) has about 0.1M parameters on
+a 12-word language and is the CPU size; "lstm-62k" is the CPU LSTM.
+
+grow() (App. B.1) embeds a model in one with k times the heads/features/MLP units (exact for
+both LayerNorm placements and for the LSTM) and extra transformer blocks on top (exact for both
+placements). The paper's claim that zero-filled blocks on top preserve a post-LN transformer is
+false (zero_filled_blocks() is that construction; grow()'s docstring has a proof); an exact
+post-LN construction exists once the old top block is re-parametrised, and grow() uses it.
+"""
+import argparse
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HEAD_DIM = 64  # App. B.1.2, following BERT: every attention head has dimension 64
+LN_EPS = 1e-5  # LayerNorm eps (PyTorch's default); grow()'s post-LN depth construction uses it
+ARCHS = ("transformer", "lstm")
+LNS = ("post", "pre")
+
+
+@dataclass
+class ModelConfig:
+    """Everything needed to rebuild a network; plain types, so asdict() goes into checkpoints."""
+    vocab_size: int  # words + special tokens (data.py: V + N_SPECIAL)
+    pad_id: int  # token id of padding (data.py: pad_id(V)); keys there are masked out
+    max_len: int  # number of learned positions (transformer); longest accepted input
+    arch: str = "transformer"  # "transformer" | "lstm"
+    n_layers: int = 2  # transformer blocks, or stacked bidirectional LSTM layers
+    n_heads: int = 1  # transformer only: d = 64 * n_heads
+    ln: str = "pre"  # transformer only: "post" (paper's text) | "pre" (authors' released code)
+    dropout: float = 0.0  # dropout on embeddings, attention, residual branches / between LSTM layers
+    lstm_hidden: int = 128  # LSTM only: hidden size H per direction; features have d = 2H
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"ModelConfig: arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.ln not in LNS:
+            raise ValueError(f"ModelConfig: ln must be one of {LNS}, got {self.ln!r}")
+        for name in ("vocab_size", "max_len", "n_layers", "n_heads", "lstm_hidden"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"ModelConfig: {name} must be an integer >= 1, got {v!r}")
+        if not (isinstance(self.pad_id, int) and 0 <= self.pad_id < self.vocab_size):
+            raise ValueError(f"ModelConfig: pad_id must be an id in [0, vocab_size={self.vocab_size}),"
+                             f" got {self.pad_id!r} (data.py: pad_id(V) = V + 1, vocab_size = V + 2)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"ModelConfig: dropout must be in [0, 1), got {self.dropout!r}")
+
+    @property
+    def d(self):
+        """Width of the representations that features() returns."""
+        return HEAD_DIM * self.n_heads if self.arch == "transformer" else 2 * self.lstm_hidden
+
+
+# ------------------------------------------------------------------------------ transformer ---
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention, head dimension 64, padded keys masked (App. B.1.2)."""
+
+    def __init__(self, config):
+        super().__init__()
+        d = config.d
+        self.n_heads, self.dropout = config.n_heads, config.dropout
+        self.qkv = nn.Linear(d, 3 * d)  # rows: [queries; keys; values], head j at rows 64j..64j+63
+        self.proj = nn.Linear(d, d)  # the output matrix O
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, h, keep):
+        B, T, d = h.shape
+        q, k, v = self.qkv(h).split(d, dim=2)
+        q, k, v = (x.view(B, T, self.n_heads, HEAD_DIM).transpose(1, 2) for x in (q, k, v))  # (B, nh, T, 64)
+        mask = keep[:, None, None, :]  # (B, 1, 1, T): True where the key is a real token
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, d)  # heads side by side
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise MLP of width 4d with GeLU (App. B.1.2)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.fc = nn.Linear(config.d, 4 * config.d)
+        self.proj = nn.Linear(4 * config.d, config.d)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, h):
+        return self.drop(self.proj(F.gelu(self.fc(h))))
+
+
+class Block(nn.Module):
+    """One transformer block, post-LN (paper) or pre-LN (released code)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.pre = config.ln == "pre"
+        self.ln_1 = nn.LayerNorm(config.d, eps=LN_EPS)
+        self.attn = SelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.d, eps=LN_EPS)
+        self.mlp = MLP(config)
+
+    def forward(self, h, keep):
+        if self.pre:
+            h = h + self.attn(self.ln_1(h), keep)
+            return h + self.mlp(self.ln_2(h))
+        v = self.ln_1(h + self.attn(h, keep))
+        return self.ln_2(v + self.mlp(v))
+
+
+class Transformer(nn.Module):
+    """BERT-style masked LM with tied input/output embedding (App. B.1.2)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        d = config.d
+        self.wte = nn.Embedding(config.vocab_size, d)  # W_E, also the output layer
+        self.wpe = nn.Embedding(config.max_len, d)  # learned positions
+        self.ln_emb = nn.LayerNorm(d, eps=LN_EPS)  # h_0 = LN(embedding)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(d, eps=LN_EPS) if config.ln == "pre" else None  # pre-LN's final LayerNorm
+        self.out_bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.apply(_init_weights)
+
+    def features(self, tokens):
+        """h_L: last-layer representations [B, T, d]."""
+        keep = _keep_mask(tokens, self.config)
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.drop(self.ln_emb(self.wte(tokens) + self.wpe(pos)))  # (B, T, d)
+        for block in self.blocks:
+            h = block(h, keep)
+        return self.ln_f(h) if self.ln_f is not None else h
+
+    def forward(self, tokens):
+        """Logits h_L W_E^T + b, [B, T, vocab_size]."""
+        return self.features(tokens) @ self.wte.weight.T + self.out_bias
+
+
+# ------------------------------------------------------------------------------------- LSTM ---
+
+class LSTM(nn.Module):
+    """Bidirectional LSTM masked LM (the paper's HMM models, §2.2); layout in the module docstring."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        H = config.lstm_hidden
+        self.embed = nn.Embedding(config.vocab_size, H)
+        self.drop = nn.Dropout(config.dropout)
+        self.lstm = nn.LSTM(H, H, config.n_layers, batch_first=True, bidirectional=True,
+                            dropout=config.dropout if config.n_layers > 1 else 0.0)
+        self.head = nn.Linear(2 * H, config.vocab_size)
+        self.apply(_init_weights)
+
+    def features(self, tokens):
+        """Top layer's [forward, backward] states, [B, T, 2H]."""
+        keep = _keep_mask(tokens, self.config)
+        x = self.drop(self.embed(tokens))  # (B, T, H)
+        # No padding (fixed-length HMM sentences), or hessian.py's vmappable stand-in for nn.LSTM
+        # (it needs pad-free inputs; `or` keeps vmap away from the data-dependent test): no packing.
+        if not isinstance(self.lstm, nn.LSTM) or bool(keep.all()):
+            return self.lstm(x)[0]
+        lengths = keep.sum(1).cpu()  # padding is a suffix
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out = self.lstm(packed)[0]
+        return nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=tokens.shape[1])[0]
+
+    def forward(self, tokens):
+        """Logits [B, T, vocab_size]."""
+        return self.head(self.drop(self.features(tokens)))
+
+
+# ---------------------------------------------------------------------------------- helpers ---
+
+def _init_weights(module):
+    """BERT initialisation: N(0, 0.02) weights, zero biases, LayerNorm gain 1 and bias 0."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LSTM):
+        for name, p in module.named_parameters():
+            nn.init.normal_(p, std=0.02) if name.startswith("weight") else nn.init.zeros_(p)
+
+
+def _keep_mask(tokens, config):
+    """True at real tokens; rows that are all padding keep every position (avoids NaN)."""
+    if tokens.dim() != 2 or tokens.shape[1] > config.max_len:
+        raise ValueError(f"tokens must be [B, T] with T <= max_len={config.max_len}, "
+                         f"got shape {tuple(tokens.shape)}")
+    keep = tokens != config.pad_id
+    return keep | ~keep.any(1, keepdim=True)
+
+
+def build(config):
+    """Network for `config`: a Transformer or an LSTM masked LM."""
+    return Transformer(config) if config.arch == "transformer" else LSTM(config)
+
+
+def n_params(model):
+    """Number of parameters (tied W_E counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------- presets ---
+
+# Vocabulary and positions at which a preset's name is its parameter count (see docstring).
+REFERENCE = {"transformer": dict(vocab_size=30522, pad_id=0, max_len=128),
+             "lstm": dict(vocab_size=202, pad_id=201, max_len=32)}
+
+PRESETS = {
+    # transformers at the sizes the paper quotes; "tf-2m" is also the CPU size
+    "tf-2m": dict(arch="transformer", n_heads=1, n_layers=2),
+    "tf-4m": dict(arch="transformer", n_heads=2, n_layers=1),
+    "tf-9m": dict(arch="transformer", n_heads=4, n_layers=1),
+    "tf-41m": dict(arch="transformer", n_heads=8, n_layers=8),
+    "tf-235m": dict(arch="transformer", n_heads=16, n_layers=16),
+    "tf-730m": dict(arch="transformer", n_heads=24, n_layers=24),
+    # bidirectional LSTMs for the HMM (§2.2: 10M-135M, hidden 128-1024, 4-16 layers); 62k: CPU
+    "lstm-62k": dict(arch="lstm", lstm_hidden=32, n_layers=2),
+    "lstm-4m": dict(arch="lstm", lstm_hidden=128, n_layers=10),  # §3: "the smallest 4M model"
+    "lstm-10m": dict(arch="lstm", lstm_hidden=192, n_layers=12),
+    "lstm-36m": dict(arch="lstm", lstm_hidden=512, n_layers=6),
+    "lstm-135m": dict(arch="lstm", lstm_hidden=640, n_layers=14),
+}
+
+
+def config_from_preset(name, vocab_size, pad_id, max_len, **overrides):
+    """ModelConfig for preset `name` on a language with `vocab_size` tokens (incl. specials)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    fields = {**PRESETS[name], **overrides}
+    return ModelConfig(vocab_size=vocab_size, pad_id=pad_id, max_len=max_len, **fields)
+
+
+def preset_n_params(name):
+    """Parameter count of preset `name` at its family's REFERENCE vocabulary (no memory used)."""
+    config = config_from_preset(name, **REFERENCE[PRESETS[name]["arch"]])
+    with torch.device("meta"):
+        return n_params(build(config))
+
+
+# ------------------------------------------------------------------------------------- grow ---
+
+def grow(model, width=2, extra_layers=0, seed=0):
+    """App. B.1: a model with `width` = k times the heads, features and MLP units (LSTM: hidden
+    units) and `extra_layers` more blocks on top, computing exactly the same logits.
+
+    Width. Every feature, head and MLP unit is replicated k times and every weight that reads
+    replicated inputs is divided by k, so each residual stream is exactly [h, h, ..., h]. A
+    LayerNorm of a replicated vector has the same mean and variance, so no eps issue arises
+    (no vector entering a LayerNorm is rescaled); attention scores are unchanged (heads are
+    copied, head dimension stays 64). With tied weights the logits would come out k times too
+    large, so the gain and bias of the LayerNorm that produces h_L (pre: the final LN; post: the
+    last block's second LN) are divided by k: exact, and features() become [h, ..., h] / k.
+    (The paper's text rescales W_E instead; that rescales the input of the embedding LayerNorm,
+    which is exact only if its eps is rescaled by the square of the factor.) LSTM: embedding,
+    gates, cells and states are replicated the same way, per gate and per direction.
+
+    Depth, pre-LN. A block whose attention output projection and MLP output projection are zero
+    (weights and biases) is the identity on the residual stream, h + 0 + 0 = h, whatever its
+    other parameters. New blocks are freshly initialised from `seed` (so they can train) with
+    those two projections zeroed, and go before the final LayerNorm.
+
+    Depth, post-LN. Write N(x) = P x / sqrt(var(x) + eps) (P centres x), so LN(x) = gain*N(x) + bias.
+    (a) The paper's claim is false: zero-filled blocks on top of the unchanged model change its
+    function (zero_filled_blocks() shows it), and so does every other post-LN block.
+      Theorem. Let eps > 0 and let the model's last LayerNorm have gain gamma and bias beta. With
+      the small model kept as it is, no post-LN block B on top (any parameters: zero or not,
+      LayerNorm gains/biases any function of gamma, beta) and no output layer W', b' satisfy
+      W' B(h) + b' = W_E h + b for every h that last LayerNorm can output, unless
+      W_E (gamma * u) = 0 for every centred u (the old logits do not depend on h_L at all).
+      Proof. That LayerNorm maps z = mu + s*u (u centred, var(u) = 1, the same s at every
+      position) to h(t) = gamma * t*u + beta with t = s / sqrt(s^2 + eps), so every t in [0, 1)
+      is reached. B(h(t)) is real-analytic in t on all of R (LayerNorm with eps > 0, softmax,
+      GeLU and affine maps are analytic) and bounded on R, because B ends in a LayerNorm, whose
+      output has |LN(x)_i| <= |gain_i| sqrt(d) + |bias_i|. The right side is affine in t. Two
+      analytic functions equal on [0, 1) are equal on R, and a bounded affine function is
+      constant, so W_E (gamma * u) = 0.  []
+    (b) Exact construction, re-parametrising the old last block (so (a) does not apply). For a
+      scalar c > 0 and var(y) = a:  N(c P y / sqrt(a + e)) = c / sqrt(c^2 + eps) * P y / sqrt(a + e')
+      with e' = eps * e / (c^2 + eps): a LayerNorm of a scalar-gain, bias-free LayerNorm output
+      is again a normalisation of y, with a smaller effective eps. So (_deepen_post_ln):
+      scale the old last block's y = v + MLP(v) by s = 1/2 (its first LayerNorm's gain and bias
+      and its MLP output weights times s, MLP input weights divided by s), which makes its N(y)
+      a normalisation with effective eps 4*eps; give its second LayerNorm gain c, bias 0; give
+      the new blocks zero output projections, every new LayerNorm gain sqrt(c^2 + eps), bias 0,
+      except the last one: gain gamma * sqrt(c^2 + eps) / c and bias beta. Each of the m = 2E
+      new LayerNorms keeps the factor c and multiplies the effective eps by eps / (c^2 + eps);
+      with c^2 = eps * (4^(1/m) - 1) it is exactly eps after the last one, whose output is then
+      gamma * N(y) + beta = h_L (logits and features unchanged). The new blocks' other
+      parameters are free (fresh from `seed`); the stream between them is small (gain ~ c,
+      about 3e-3 for one block) but exact.
+
+    Depth, LSTM: raises ValueError. No exact construction is known to us: a layer has no
+    residual path; with the old layers kept, a new top layer's output o * tanh(c) is bounded and
+    analytic in the old top layer's outputs while the old logits are a non-constant affine
+    function of them, so as in (a) the two cannot agree on any open set of those outputs.
+    """
+    config = model.config
+    if not (isinstance(width, int) and width >= 1 and isinstance(extra_layers, int) and extra_layers >= 0):
+        raise ValueError(f"grow: width must be an integer >= 1 and extra_layers an integer >= 0, "
+                         f"got width={width!r}, extra_layers={extra_layers!r}")
+    if extra_layers and config.arch == "lstm":
+        raise ValueError("grow: extra_layers > 0 is not supported for an LSTM: a layer has no "
+                         "residual path and its output o*tanh(c) is bounded, so a new layer on top "
+                         "cannot reproduce the old one's outputs (see grow's docstring); use "
+                         "extra_layers=0 (width is exact)")
+    k = width
+    if config.arch == "transformer":
+        big_config = ModelConfig(**{**vars(config), "n_heads": k * config.n_heads,
+                                    "n_layers": config.n_layers + extra_layers})
+        state = _widen_transformer(model.state_dict(), k, config)
+        if extra_layers and config.ln == "post":
+            _deepen_post_ln(state, config.n_layers, extra_layers)
+    else:
+        big_config = ModelConfig(**{**vars(config), "lstm_hidden": k * config.lstm_hidden})
+        state = _widen_lstm(model.state_dict(), k)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        big = build(big_config)
+    p = next(model.parameters())
+    big = big.to(device=p.device, dtype=p.dtype)
+    missing, unexpected = big.load_state_dict(state, strict=False)
+    assert not unexpected and all(int(n.split(".")[1]) >= config.n_layers for n in missing)
+    with torch.no_grad():
+        for block in big.blocks[config.n_layers:] if config.arch == "transformer" else []:
+            for layer in (block.attn.proj, block.mlp.proj):  # zero branches: Attn = MLP = 0
+                layer.weight.zero_()
+                layer.bias.zero_()
+    return big.train(model.training)
+
+
+def _tile(w, k, n_row=1, n_col=1):
+    """Split matrix w into n_row x n_col blocks; repeat each block k x k and divide by k (its
+    input is k copies of the old one, its output k copies of the old output)."""
+    return torch.cat([torch.cat([b.repeat(k, k) / k for b in row.chunk(n_col, 1)], 1)
+                      for row in w.chunk(n_row, 0)], 0)
+
+
+def _tile_vec(b, k, n=1):
+    """Split vector b into n parts and repeat each part k times (biases, LayerNorm gains)."""
+    return torch.cat([part.repeat(k) for part in b.chunk(n)])
+
+
+def _widen_transformer(state, k, config):
+    """Widened state: residual stream, heads and MLP units replicated k times (App. B.1.2)."""
+    new = {}
+    for name, p in state.items():
+        if name in ("wte.weight", "wpe.weight"):
+            new[name] = p.repeat(1, k)  # embeddings produce the stream [e, e, ..., e]
+        elif name == "out_bias":
+            new[name] = p
+        elif name.endswith("qkv.weight"):
+            new[name] = _tile(p, k, n_row=3)  # queries, keys, values each: heads copied
+        elif name.endswith("qkv.bias"):
+            new[name] = _tile_vec(p, k, n=3)
+        elif p.dim() == 2:
+            new[name] = _tile(p, k)  # attention output O, MLP fc and proj
+        else:
+            new[name] = _tile_vec(p, k)  # LayerNorm gains and biases, linear biases
+    # Tied W_E: h_L = [h, ..., h] would give k times the logits; scale the LN producing h_L.
+    last = "ln_f" if config.ln == "pre" else f"blocks.{config.n_layers - 1}.ln_2"
+    new[last + ".weight"] = new[last + ".weight"] / k
+    new[last + ".bias"] = new[last + ".bias"] / k
+    return new
+
+
+def _widen_lstm(state, k):
+    """Widened state: embedding, hidden units, cells (per gate, per direction) replicated k times."""
+    new = {}
+    for name, p in state.items():
+        if name == "embed.weight":
+            new[name] = p.repeat(1, k)
+        elif name == "head.weight":  # reads [forward, backward], each now k copies
+            new[name] = torch.cat([b.repeat(1, k) / k for b in p.chunk(2, 1)], 1)
+        elif name == "head.bias":
+            new[name] = p
+        elif name.startswith("lstm.weight_ih_l0"):  # reads the embedding
+            new[name] = _tile(p, k, n_row=4)
+        elif name.startswith("lstm.weight_ih"):  # reads [forward, backward] of the layer below
+            new[name] = _tile(p, k, n_row=4, n_col=2)
+        elif name.startswith("lstm.weight_hh"):
+            new[name] = _tile(p, k, n_row=4)
+        else:
+            new[name] = _tile_vec(p, k, n=4)  # gate biases, in PyTorch's (i, f, g, o) order
+    return new
+
+
+def _deepen_post_ln(state, n_layers, extra_layers, s=0.5):
+    """Exact zero-filled post-LN blocks on top (grow()'s docstring): rescale the old last block's
+    y by s, make its second LayerNorm and all new ones but the last scalar-gain and bias-free,
+    and move the old (gamma, beta) to the new last LayerNorm. Edits `state` in place."""
+    old, top = f"blocks.{n_layers - 1}.", f"blocks.{n_layers + extra_layers - 1}.ln_2."
+    m = 2 * extra_layers  # LayerNorms applied by the new blocks
+    c = math.sqrt(LN_EPS * (s ** (-2 / m) - 1))  # brings the effective eps back to LN_EPS
+    g = math.sqrt(c * c + LN_EPS)  # keeps the scalar factor at c through every new LayerNorm
+    gamma, beta = state[old + "ln_2.weight"], state[old + "ln_2.bias"]
+    for name in ("ln_1.weight", "ln_1.bias", "mlp.proj.weight", "mlp.proj.bias"):
+        state[old + name] = state[old + name] * s  # y = v + MLP(v) becomes s * y
+    state[old + "mlp.fc.weight"] = state[old + "mlp.fc.weight"] / s
+    state[old + "ln_2.weight"], state[old + "ln_2.bias"] = torch.full_like(gamma, c), torch.zeros_like(beta)
+    for i in range(n_layers, n_layers + extra_layers):
+        for ln in ("ln_1", "ln_2"):
+            state[f"blocks.{i}.{ln}.weight"] = torch.full_like(gamma, g)
+            state[f"blocks.{i}.{ln}.bias"] = torch.zeros_like(beta)
+    state[top + "weight"], state[top + "bias"] = gamma * (g / c), beta
+
+
+def zero_filled_blocks(model, extra_layers=1):
+    """App. B.1's depth construction taken literally: `extra_layers` transformer blocks on top
+    with every weight and bias zero (LayerNorms at gain 1, bias 0). Exact for pre-LN; changes a
+    post-LN model's logits (grow()'s docstring). A demonstration; grow() is the exact tool."""
+    if model.config.arch != "transformer":
+        raise ValueError("zero_filled_blocks: transformers only (App. B.1.2)")
+    config = ModelConfig(**{**vars(model.config), "n_layers": model.config.n_layers + extra_layers})
+    p = next(model.parameters())
+    big = build(config).to(device=p.device, dtype=p.dtype)
+    big.load_state_dict(model.state_dict(), strict=False)
+    with torch.no_grad():
+        for block in big.blocks[model.config.n_layers:]:
+            for name, q in block.named_parameters():
+                if not name.startswith("ln_"):
+                    q.zero_()
+    return big.train(model.training)
+
+
+# -------------------------------------------------------------------------------------- CLI ---
+
+GROW_CHECKS = [("transformer", "pre", 2, 2), ("transformer", "post", 2, 2),
+               ("transformer", "post", 3, 0), ("lstm", "pre", 2, 0)]  # (arch, ln, width, extra_layers)
+
+
+def check_grow(seed=0):
+    """Rows (case, max |logit diff|) for grow() and for the paper's zero-filled blocks, on random
+    float64 models with every parameter ~ N(0, 1), LayerNorm gains and biases included."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 12, (8, 16), generator=g)
+    tokens[torch.arange(16) >= torch.randint(1, 17, (8, 1), generator=g)] = 13  # pad_id 13
+    rows = []
+    for arch, ln, width, extra in GROW_CHECKS:
+        small = build(ModelConfig(vocab_size=14, pad_id=13, max_len=16, arch=arch, ln=ln,
+                                  n_layers=2, lstm_hidden=32)).double().eval()
+        with torch.no_grad():
+            for p in small.parameters():
+                p.normal_(generator=g)
+        logits = small(tokens)
+        big = grow(small, width, extra)
+        case = f"{arch} ln={ln}" if arch == "transformer" else arch
+        rows.append((f"{case} grow(width={width}, extra_layers={extra})",
+                     (big(tokens) - logits).abs().max().item()))
+        if arch == "transformer":
+            rows.append((f"{case} zero-filled block on top (paper's construction)",
+                         (zero_filled_blocks(small)(tokens) - logits).abs().max().item()))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description="List model.py's size presets with their "
+                                     "parameter counts, or check grow() (App. B.1).")
+    parser.add_argument("--check-grow", action="store_true",
+                        help="grow random float64 models (every parameter ~ N(0, 1)) and print the "
+                             "max |logit difference|, next to the paper's zero-filled blocks")
+    args = parser.parse_args()
+    if args.check_grow:
+        for case, diff in check_grow():
+            print(f"{case:68s} max |logit diff| = {diff:.3g}")
+        return
+    for name in PRESETS:
+        ref = REFERENCE[PRESETS[name]["arch"]]
+        print(f"{name:10s} {preset_n_params(name):>13,d} parameters at vocab_size={ref['vocab_size']}"
+              f", max_len={ref['max_len']}")
+
+
+if __name__ == "__main__":
+    main()
