@@ -1,0 +1,807 @@
+"""Synthetic languages with exact masked-token conditionals (paper §2.2, App. A.1).
+
+Everything else in this project rests on knowing the true conditional Pr(x_t = w | x_-t):
+it gives the optimal MLM loss (its entropy; the "saturation regime" of §2.1), the exact KL of
+a model to the truth (App. A.4) and the Bayes labels of the downstream tasks.
+
+Three languages share one interface (`.vocab_size`, `.max_len`, `.spec()`, `.sentences()`,
+`.mlm_conditional()`, `.tasks`, `.n_classes()`, `.task_data()`):
+
+- `PCFG`: a probabilistic context-free grammar in Chomsky normal form (the paper's PCFG set);
+  `PCFG.random()` is a layered sparse grammar in the paper's regime (50 symbols, 200 words,
+  length <= 32), `PCFG.from_rules()` reads the rule files the paper's authors released.
+- `HMM`: a hidden Markov model (the paper's HMM set).
+- `TeacherLM`: sentences from a small random causal transformer (stands in for the OPT set).
+
+Special token ids (defined once, here): words are 0..V-1, `mask_id(V) == V`,
+`pad_id(V) == V + 1`; a model over V words has vocab_size V + N_SPECIAL.
+
+Run:
+    python data.py pcfg --n 1000 --seed 0 --out pcfg.pt      # sentences + task A/B/C labels
+    python data.py pcfg --n 1000 --rules rule_deep_mlm.txt --out a.pt   # authors' grammar
+    python data.py pcfg --n 200 --conditionals --out p.pt    # also the exact conditionals
+    python data.py hmm --n 10000 --out hmm.pt
+The first takes about 25 s of CPU on one thread (mostly the task labels).
+It prints the language, the mean length, the optimal MLM loss (entropy) and where it wrote a
+dataset that `torch.load(FILE, weights_only=True)` reads back, generator spec included.
+"""
+import argparse
+import math
+import os
+import time
+
+import numpy as np
+import torch
+
+# ----------------------------------------------------------------------------- special ids ---
+
+N_SPECIAL = 2  # [MASK] and [PAD] follow the V words
+
+
+def mask_id(V):
+    """Id of the [MASK] token for a language with V words."""
+    return V
+
+
+def pad_id(V):
+    """Id of the [PAD] token (positions >= a sentence's length)."""
+    return V + 1
+
+
+# ------------------------------------------------------------------------------------ PCFG ---
+
+def _as_float64(x, name):
+    """`x` (tensor, numpy array or nested list) as a float64 CPU tensor, or a clear error."""
+    try:
+        if torch.is_tensor(x):
+            return x.detach().to("cpu", torch.float64).clone()
+        return torch.as_tensor(np.asarray(x, dtype=np.float64))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name}: expected a numeric array, got {type(x).__name__} ({e})")
+
+
+def _pair_blocks(used):
+    """Split the used (B, C) pairs of a boolean [S, S] matrix into connected blocks: a list of
+    (rows, cols) of sorted symbol lists, such that every used pair lies in one block's
+    rows x cols and no row or column is in two blocks."""
+    S = used.shape[0]
+    parent = list(range(2 * S))
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for b, c in used.nonzero().tolist():
+        parent[find(b)] = find(S + c)
+    comps = {}
+    for b, c in used.nonzero().tolist():
+        rows, cols = comps.setdefault(find(b), (set(), set()))
+        rows.add(b), cols.add(c)
+
+    return [(sorted(r), sorted(c)) for r, c in sorted(comps.values(), key=lambda rc: min(rc[0]))]
+
+
+class PCFG:
+    """A PCFG in Chomsky normal form (paper §2.2, App. A.1): symbol A rewrites to two symbols
+    B C with probability binary[A,B,C] or to word w with probability lexical[A,w]; the tree's
+    top symbol is drawn from `root`. Sentences longer than `max_len` are rejected when sampling
+    (this conditions on the length, which leaves Pr(x_t | x_-t) unchanged)."""
+
+    TASK_SPAN = {"A": 32, "B": 16, "C": 8}  # App. A.1: tasks A, B, C use span length L
+
+    def __init__(self, root, binary, lexical, max_len=32, symbols=None, words=None, origin=None,
+                 tol=1e-6):
+        root, binary = _as_float64(root, "root"), _as_float64(binary, "binary")
+        lexical = _as_float64(lexical, "lexical")
+        if root.dim() != 1:
+            raise ValueError(f"root must be a vector [S]; got shape {tuple(root.shape)}")
+        S = root.shape[0]
+        if S == 0:
+            raise ValueError("root is empty: a grammar needs at least one symbol")
+        if tuple(binary.shape) != (S, S, S):
+            raise ValueError(f"binary must have shape [S,S,S] = {(S, S, S)} (S = len(root)); "
+                             f"got {tuple(binary.shape)}")
+        if lexical.dim() != 2 or lexical.shape[0] != S or lexical.shape[1] == 0:
+            raise ValueError(f"lexical must have shape [S,V] = [{S},V] with V >= 1; "
+                             f"got {tuple(lexical.shape)}")
+        if symbols is not None and len(symbols) != S or words is not None and \
+                len(words) != lexical.shape[1]:
+            raise ValueError(f"symbols / words must name all {S} symbols / "
+                             f"{lexical.shape[1]} words")
+        names = list(symbols) if symbols is not None else [str(a) for a in range(S)]
+        for what, t in (("root", root), ("binary", binary), ("lexical", lexical)):
+            bad = ~torch.isfinite(t)
+            if bad.any():
+                raise ValueError(f"{what} has NaN/Inf entries at {bad.nonzero()[0].tolist()}")
+            if (t < 0).any():
+                i = (t < 0).nonzero()[0].tolist()
+                raise ValueError(f"{what} has negative entries, e.g. {what}{i} = {t[tuple(i)]}")
+        if abs(root.sum().item() - 1) > tol:
+            raise ValueError(f"root sums to {root.sum().item():.9g}, off by "
+                             f"{root.sum().item() - 1:+.3g}; it must sum to 1")
+        rows = binary.sum((1, 2)) + lexical.sum(1)
+        for a in range(S):
+            if abs(rows[a].item() - 1) > tol:
+                raise ValueError(
+                    f"symbol {a} ({names[a]}): binary and lexical rules sum to "
+                    f"{rows[a].item():.9g}, off by {rows[a].item() - 1:+.3g}; each symbol's "
+                    f"rule probabilities must sum to 1")
+        if int(max_len) < 1:
+            raise ValueError(f"max_len must be >= 1; got {max_len}")
+        self.root, self.binary, self.lexical = root, binary, lexical
+        self.n_symbols, self.vocab_size, self.max_len = S, lexical.shape[1], int(max_len)
+        self.symbols, self.words = symbols and list(symbols), words and list(words)
+        self.origin = origin or {}
+        self._prepare()
+
+    def _prepare(self):
+        """Precompute the sparse forms used by inference and sampling."""
+        S, V = self.n_symbols, self.vocab_size
+        # Inference: the (B, C) pairs used by binary rules split into independent blocks (rows
+        # x cols; a layered grammar gives one block per level), so the sum over splits is a few
+        # small products instead of one S x S one; and a constant rescaling of the rule
+        # probabilities (see _inside).
+        blocks = _pair_blocks(self.binary.sum(0) > 0) or [([0], [0])]
+        G = len(blocks)
+        br, bc = max(len(r) for r, _ in blocks), max(len(c) for _, c in blocks)
+        rows = torch.full((G, br), S, dtype=torch.long)  # index S = an always-zero column
+        cols = torch.full((G, bc), S, dtype=torch.long)
+        for g, (r, c) in enumerate(blocks):
+            rows[g, :len(r)], cols[g, :len(c)] = torch.tensor(r), torch.tensor(c)
+        nz = self.binary[self.binary > 0]
+        self._bscale = 1.0 / nz.mean().item() if nz.numel() else 1.0
+        ext = torch.zeros(S + 1, S + 1, S + 1, dtype=torch.float64)
+        ext[:S, :S, :S] = self.binary * self._bscale
+        # rules[(g, i, j), A] = b * binary[A, rows[g, i], cols[g, j]]  [G*br*bc, S+1]
+        self._rules = ext[:, rows[:, :, None], cols[:, None, :]].reshape(S + 1, -1).T.contiguous()
+        rows, cols = rows.reshape(-1), cols.reshape(-1)
+        self._rules_all = torch.cat([self._rules, self._rules[:, rows], self._rules[:, cols]], 1)
+        self._S1 = S + 1
+        self._rows, self._cols, self._G, self._br, self._bc = rows, cols, G, br, bc
+        # Sampling: per symbol, the list of outcomes with positive probability and their CDF,
+        # laid out in one global increasing array (symbol a's block is offset by a).
+        out_prob = torch.cat([self.binary.reshape(S, S * S), self.lexical], 1)  # [S, S*S+V]
+        K = int((out_prob > 0).sum(1).max())
+        self._out = torch.zeros(S, K, dtype=torch.long)
+        cdf = torch.ones(S, K, dtype=torch.float64)
+        for a in range(S):
+            idx = (out_prob[a] > 0).nonzero()[:, 0]
+            self._out[a, :len(idx)] = idx
+            self._out[a, len(idx):] = idx[-1]
+            c = out_prob[a, idx].cumsum(0)
+            cdf[a, :len(idx)] = c / c[-1]
+            cdf[a, len(idx) - 1] = 1.0
+        self._cdf = (cdf + torch.arange(S, dtype=torch.float64)[:, None]).reshape(-1)
+        self._K = K
+        self._root_cdf = self.root.cumsum(0) / self.root.sum()
+        self._root_cdf[int((self.root > 0).nonzero().max()):] = 1.0  # never past the last root
+
+    # ----- constructors -----
+
+    @classmethod
+    def random(cls, n_symbols=50, vocab_size=200, seed=0, n_levels=6, rules_per_symbol=20,
+               p_lexical=0.2, words_per_symbol=None, upper_words=3, max_len=32):
+        """A random layered sparse grammar in the paper's regime (App. A.1: |S| = 50, V = 200,
+        length <= 32, tree depth <= 6), shaped like the authors' released grammar.
+
+        Symbols are split into `n_levels` levels; a symbol of level l < n_levels - 1 has
+        `rules_per_symbol` binary rules into pairs of level l+1 symbols (Dirichlet(1) weights,
+        total 1 - p_lexical) and emits one of `upper_words` words with probability p_lexical
+        (level 0, the root level, is always binary); last-level symbols emit one of
+        `words_per_symbol` (default V/4) words with Dirichlet(0.5) weights. So trees terminate,
+        sentences have at most 2^(n_levels-1) words, and the words of a position depend on the
+        symbol above it: structure a model can learn. Built with numpy's seeded generator."""
+        S, V, L = int(n_symbols), int(vocab_size), int(n_levels)
+        if L < 2 or S < L:
+            raise ValueError(f"need n_levels >= 2 and n_symbols >= n_levels; got {S}, {L}")
+        if 2 ** (L - 1) > max_len:
+            raise ValueError(f"2^(n_levels-1) = {2 ** (L - 1)} exceeds max_len = {max_len}")
+        if not 0 <= p_lexical < 1:
+            raise ValueError(f"p_lexical must be in [0, 1); got {p_lexical}")
+        rng = np.random.default_rng(seed)
+        sizes = [S // L + (i < S % L) for i in range(L)]
+        start = np.cumsum([0] + sizes)
+        level = [np.arange(start[i], start[i + 1]) for i in range(L)]
+        wps = V // 4 if words_per_symbol is None else int(words_per_symbol)
+        root = np.zeros(S)
+        root[level[0]] = rng.dirichlet(np.ones(sizes[0]))
+        binary, lexical = np.zeros((S, S, S)), np.zeros((S, V))
+        for i in range(L - 1):
+            nxt = level[i + 1]
+            n_pairs = len(nxt) ** 2
+            k = min(int(rules_per_symbol), n_pairs)
+            p_lex = 0.0 if i == 0 else p_lexical
+            for a in level[i]:
+                pick = rng.choice(n_pairs, size=k, replace=False)
+                binary[a, nxt[pick // len(nxt)], nxt[pick % len(nxt)]] = \
+                    (1 - p_lex) * rng.dirichlet(np.ones(k))
+                if p_lex > 0:
+                    w = rng.choice(V, size=min(upper_words, V), replace=False)
+                    lexical[a, w] = p_lex * rng.dirichlet(np.ones(len(w)))
+        last = level[-1]
+        for a in last:
+            w = rng.choice(V, size=min(wps, V), replace=False)
+            lexical[a, w] = rng.dirichlet(np.full(len(w), 0.5))
+        # Every word reachable: a word no last-level symbol emits gets a small share of one.
+        for w in np.nonzero(lexical[last].sum(0) == 0)[0]:
+            a = rng.choice(last)
+            lexical[a, w] = lexical[a].mean()
+            lexical[a] /= lexical[a].sum()
+        origin = {"random": dict(n_symbols=S, vocab_size=V, seed=int(seed), n_levels=L,
+                                 rules_per_symbol=int(rules_per_symbol),
+                                 p_lexical=float(p_lexical), words_per_symbol=wps,
+                                 upper_words=int(upper_words))}
+        return cls(root, binary, lexical, max_len=max_len, origin=origin)
+
+    @classmethod
+    def from_rules(cls, path_or_text, max_len=32, tol=1e-2):
+        """Read a grammar written one rule a line, `LHS RHS1 [RHS2] probability` (the format of
+        the authors' released `rule_deep_mlm.txt`). Blank lines and `#` comments are skipped.
+
+        Nonterminals are the symbols that appear as a left-hand side; the start symbol is the
+        left-hand side of the first rule. Its unary rules `START Si p` become the root
+        distribution (if it has binary/lexical rules instead, it is itself the only root).
+        Symbol ids follow first appearance as a left-hand side (start symbol excluded); word ids
+        follow first appearance in the file. Each left-hand side's probabilities are renormalised
+        to sum to 1 (the authors' file is off by up to 2.3e-4) unless off by more than `tol`."""
+        text = str(path_or_text)
+        if "\n" not in text and len(text.split()) < 3:  # a path, not a one-rule grammar
+            if not os.path.isfile(text):
+                raise ValueError(f"no such rule file: {text!r}")
+            with open(text) as f:
+                text, where = f.read(), str(path_or_text)
+        else:
+            where = "<text>"
+        rules = []  # (line_no, lhs, rhs list, prob)
+        for no, line in enumerate(text.splitlines(), 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            f = line.split()
+            if len(f) not in (3, 4):
+                raise ValueError(f"{where}, line {no}: expected 'LHS RHS1 [RHS2] probability', "
+                                 f"got {len(f)} fields: {line!r}")
+            try:
+                p = float(f[-1])
+            except ValueError:
+                raise ValueError(f"{where}, line {no}: probability {f[-1]!r} is not a number")
+            if not (math.isfinite(p) and p >= 0):
+                raise ValueError(f"{where}, line {no}: probability {p} must be finite and >= 0")
+            rules.append((no, f[0], f[1:-1], p))
+        if not rules:
+            raise ValueError(f"{where}: no rules found")
+        lhs_order = list(dict.fromkeys(r[1] for r in rules))
+        nonterminals = set(lhs_order)
+        start = rules[0][1]
+        unary_start = [r for r in rules if r[1] == start and len(r[2]) == 1
+                       and r[2][0] in nonterminals]
+        if unary_start and any(start in r[2] for r in rules):
+            raise ValueError(f"{where}: the start symbol {start} has unary rules, so it cannot "
+                             f"appear on a right-hand side")
+        symbols = [s for s in lhs_order if not (s == start and unary_start)]
+        sid = {s: i for i, s in enumerate(symbols)}
+        words = []
+        wid = {}
+        for no, lhs, rhs, p in rules:
+            if len(rhs) == 1 and rhs[0] not in nonterminals and rhs[0] not in wid:
+                wid[rhs[0]] = len(words)
+                words.append(rhs[0])
+        if not words:
+            raise ValueError(f"{where}: no lexical rules (LHS word probability) found")
+        S, V = len(symbols), len(words)
+        root, binary, lexical = np.zeros(S), np.zeros((S, S, S)), np.zeros((S, V))
+        for no, lhs, rhs, p in rules:
+            if unary_start and lhs == start:
+                if len(rhs) != 1 or rhs[0] not in nonterminals:
+                    raise ValueError(f"{where}, line {no}: the start symbol {start} has unary "
+                                     f"rules to nonterminals, so all its rules must be unary")
+                root[sid[rhs[0]]] += p
+            elif len(rhs) == 2:
+                for s in rhs:
+                    if s not in sid:
+                        raise ValueError(f"{where}, line {no}: {s!r} on the right of a binary "
+                                         f"rule is not a nonterminal (it has no rules)")
+                binary[sid[lhs], sid[rhs[0]], sid[rhs[1]]] += p
+            elif rhs[0] in nonterminals:
+                raise ValueError(f"{where}, line {no}: unary rule {lhs} -> {rhs[0]} is only "
+                                 f"allowed from the start symbol {start} (CNF)")
+            else:
+                lexical[sid[lhs], wid[rhs[0]]] += p
+        if not unary_start:
+            root[sid[start]] = 1.0
+        for name, total in [(start, root.sum())] * bool(unary_start) + \
+                [(s, binary[i].sum() + lexical[i].sum()) for i, s in enumerate(symbols)]:
+            if abs(total - 1) > tol:
+                raise ValueError(f"{where}: rules of {name} sum to {total:.6g}, off by "
+                                 f"{total - 1:+.3g} (more than tol = {tol})")
+        root /= root.sum()
+        z = binary.sum((1, 2)) + lexical.sum(1)
+        binary /= z[:, None, None]
+        lexical /= z[:, None]
+        return cls(root, binary, lexical, max_len=max_len, symbols=symbols, words=words,
+                   origin={"rules": where})
+
+    # ----- plain-type description (what checkpoints store) -----
+
+    def spec(self):
+        """Plain-Python description; data.language_from_spec(spec) rebuilds this grammar exactly
+        (rules stored sparsely as [A, B, C, p] and [A, w, p]; floats round-trip exactly)."""
+        b = self.binary.nonzero()
+        lx = self.lexical.nonzero()
+        return {"kind": "pcfg", "n_symbols": self.n_symbols, "vocab_size": self.vocab_size,
+                "max_len": self.max_len, "root": self.root.tolist(),
+                "binary_rules": [[a, bb, c, self.binary[a, bb, c].item()]
+                                 for a, bb, c in b.tolist()],
+                "lexical_rules": [[a, w, self.lexical[a, w].item()] for a, w in lx.tolist()],
+                "symbols": self.symbols, "words": self.words, "origin": self.origin}
+
+    @classmethod
+    def from_spec(cls, spec):
+        """Inverse of spec()."""
+        S, V = spec["n_symbols"], spec["vocab_size"]
+        binary = torch.zeros(S, S, S, dtype=torch.float64)
+        lexical = torch.zeros(S, V, dtype=torch.float64)
+        for a, b, c, p in spec["binary_rules"]:
+            binary[a, b, c] = p
+        for a, w, p in spec["lexical_rules"]:
+            lexical[a, w] = p
+        return cls(spec["root"], binary, lexical, max_len=spec["max_len"],
+                   symbols=spec.get("symbols"), words=spec.get("words"),
+                   origin=spec.get("origin"))
+
+    def __repr__(self):
+        src = next(iter(self.origin), "explicit")
+        return (f"PCFG({src}: {self.n_symbols} symbols, {self.vocab_size} words, "
+                f"{int((self.binary > 0).sum())} binary rules, max_len {self.max_len})")
+
+    # ----- sampling -----
+
+    def sample(self, n, seed=0, max_len=None):
+        """Draw n sentences of at most max_len words (default self.max_len), vectorised across
+        sentences: every pending symbol of every sentence is expanded at once, one tree level a
+        round. Returns tokens [n, max_len] long (pad_id beyond the length), lengths [n] long and
+        trees [n, 2*max_len-1, 3] long: one labelled span (start, end, symbol) per tree node in
+        preorder (end exclusive; a width-1 span is the preterminal that emitted the word), rows
+        of -1 after the 2*length-1 nodes."""
+        T = self.max_len if max_len is None else int(max_len)
+        g = torch.Generator().manual_seed(int(seed))
+        toks, lens, trees, got, tries, drawn = [], [], [], 0, 0, 0
+        while got < n:
+            m = max(64, int(1.2 * (n - got) * drawn / max(got, 1)) if got else n + 64)
+            t, l, tr = self._sample_batch(min(m, 4 * n + 1000), T, g)
+            drawn += min(m, 4 * n + 1000)
+            toks.append(t), lens.append(l), trees.append(tr)
+            got += len(l)
+            tries += 1
+            if tries > 50 and got < 0.001 * drawn:
+                raise ValueError(f"fewer than 0.1% of sampled sentences have <= {T} words; "
+                                 f"raise max_len or use a grammar with shorter sentences")
+        return torch.cat(toks)[:n], torch.cat(lens)[:n], torch.cat(trees)[:n]
+
+    def _sample_batch(self, m, T, g):
+        """Sample m trees; return those with <= T words (tokens, lengths, trees)."""
+        S, V = self.n_symbols, self.vocab_size
+        W = 2 * T + 2  # row width during expansion (a row may briefly overflow T, then dies)
+        sym = torch.full((m, W), -1, dtype=torch.long)  # pending symbol, or word where `word`
+        node = torch.full((m, W), -1, dtype=torch.long)  # node id of each item
+        word = torch.zeros(m, W, dtype=torch.bool)
+        count = torch.ones(m, dtype=torch.long)
+        alive = torch.ones(m, dtype=torch.bool)
+        u = torch.rand(m, generator=g, dtype=torch.float64)
+        sym[:, 0] = torch.searchsorted(self._root_cdf, u[:, None], right=True)[:, 0]
+        node[:, 0] = torch.arange(m)
+        node_sym, node_parent, node_sent = [sym[:, 0].clone()], [torch.full((m,), -1)], \
+            [torch.arange(m)]
+        n_nodes = m
+        pos = torch.arange(W)
+        while True:
+            pending = (pos < count[:, None]) & ~word & alive[:, None]
+            if not pending.any():
+                break
+            i, j = pending.nonzero(as_tuple=True)
+            a = sym[i, j]
+            u = torch.rand(len(a), generator=g, dtype=torch.float64)
+            k = torch.searchsorted(self._cdf, a + u, right=True) - a * self._K
+            o = self._out[a, k.clamp(max=self._K - 1)]  # outcome: B*S+C, or S*S + word
+            is_bin = o < S * S
+            width = torch.zeros(m, W, dtype=torch.long)
+            width[pos < count[:, None]] = 1
+            width[i[is_bin], j[is_bin]] = 2
+            count = width.sum(1)
+            alive &= count <= T
+            dest = width.cumsum(1) - width  # new position of each old item's first child
+            new_sym = torch.full((m, W), -1, dtype=torch.long)
+            new_node = torch.full((m, W), -1, dtype=torch.long)
+            new_word = torch.zeros(m, W, dtype=torch.bool)
+            old = (width > 0).nonzero(as_tuple=True)
+            keep = dest[old] < W
+            ri, ci, di = old[0][keep], old[1][keep], dest[old][keep]
+            new_sym[ri, di], new_node[ri, di], new_word[ri, di] = sym[ri, ci], node[ri, ci], \
+                word[ri, ci]
+            # Lexical outcomes: the item becomes a word (its node is the preterminal).
+            lx = ~is_bin
+            d = dest[i[lx], j[lx]]
+            new_sym[i[lx], d] = o[lx] - S * S
+            new_word[i[lx], d] = True
+            # Binary outcomes: two new nodes B, C, children of the expanded node.
+            bi, bj, ob = i[is_bin], j[is_bin], o[is_bin]
+            d = dest[bi, bj]
+            ok = d + 1 < W
+            bi, bj, ob, d = bi[ok], bj[ok], ob[ok], d[ok]
+            nb = len(ob)
+            ids = n_nodes + torch.arange(2 * nb)
+            n_nodes += 2 * nb
+            new_sym[bi, d], new_sym[bi, d + 1] = ob // S, ob % S
+            new_node[bi, d], new_node[bi, d + 1] = ids[:nb], ids[nb:]
+            node_sym.append(torch.cat([ob // S, ob % S]))
+            node_parent.append(torch.cat([node[bi, bj], node[bi, bj]]))
+            node_sent.append(torch.cat([bi, bi]))
+            sym, node, word = new_sym, new_node, new_word
+            count = count.clamp(max=W)
+        keep = alive.nonzero()[:, 0]
+        lengths = count[keep]
+        tokens = torch.full((len(keep), T), pad_id(V), dtype=torch.long)
+        valid = pos[:T] < lengths[:, None]
+        tokens[valid] = sym[keep, :T][valid]
+        # Spans: leaves (word positions) give [t, t+1); parents take min/max over children,
+        # visiting the rounds' nodes in reverse creation order.
+        start = torch.full((n_nodes,), 10 ** 9, dtype=torch.long)
+        end = torch.full((n_nodes,), -1, dtype=torch.long)
+        rr, cc = valid.nonzero(as_tuple=True)
+        leaf = node[keep[rr], cc]
+        start[leaf], end[leaf] = cc, cc + 1
+        offs = np.cumsum([0] + [len(x) for x in node_sym])
+        for rnd in range(len(node_sym) - 1, 0, -1):
+            ch = torch.arange(offs[rnd], offs[rnd + 1])
+            par = node_parent[rnd]
+            start.scatter_reduce_(0, par, start[ch], "amin")
+            end.scatter_reduce_(0, par, end[ch], "amax")
+        nsym, nsent = torch.cat(node_sym), torch.cat(node_sent)
+        slot = torch.full((m,), -1, dtype=torch.long)
+        slot[keep] = torch.arange(len(keep))
+        sel = (slot[nsent] >= 0).nonzero()[:, 0]
+        srow = slot[nsent[sel]]
+        key = (srow * (T + 1) + start[sel]) * (T + 1) + (T - end[sel])
+        order = key.argsort()
+        sel, srow = sel[order], srow[order]
+        rank = torch.arange(len(sel)) - torch.searchsorted(srow, srow)  # position within row
+        trees = torch.full((len(keep), 2 * T - 1, 3), -1, dtype=torch.long)
+        trees[srow, rank] = torch.stack([start[sel], end[sel], nsym[sel]], 1)
+        return tokens, lengths, trees
+
+    def sentences(self, n, seed=0):
+        """Contract API: (tokens [n, max_len], lengths [n]) of fresh sentences."""
+        tokens, lengths, _ = self.sample(n, seed=seed)
+        return tokens, lengths
+
+    # ----- exact inference: inside and outside -----
+
+    def _check_tokens(self, tokens, lengths):
+        tokens, lengths = torch.as_tensor(tokens), torch.as_tensor(lengths)
+        if tokens.dim() != 2 or lengths.shape != tokens.shape[:1]:
+            raise ValueError(f"tokens must be [n, T] and lengths [n]; got {tuple(tokens.shape)} "
+                             f"and {tuple(lengths.shape)}")
+        T = tokens.shape[1]
+        if ((lengths < 1) | (lengths > T)).any():
+            raise ValueError(f"lengths must be in 1..{T} (the width of tokens); got values "
+                             f"{lengths.min().item()}..{lengths.max().item()}")
+        inside = torch.arange(T) < lengths[:, None]
+        bad = inside & ((tokens < 0) | (tokens >= self.vocab_size))
+        if bad.any():
+            r, c = bad.nonzero()[0].tolist()
+            raise ValueError(f"sentence {r}, position {c}: token {tokens[r, c].item()} is not a "
+                             f"word id 0..{self.vocab_size - 1} (mask/pad only beyond the length)")
+        return tokens.long(), lengths.long()
+
+    def _inside(self, leaf):
+        """Inside pass (App. A.1) over a batch. Returns the scaled inside score of every span,
+        per width w, in three layouts: full[w] [n, T-w+1, S+1] (column S is an always-zero pad)
+        and, for the products below, rows[w] / cols[w] [n, T-w+1, G*br / G*bc]: the symbols of
+        each block of (B, C) rule pairs (a block per level when the grammar is layered).
+        Scaling (exact, closed form): in CNF every tree over a span of width w uses w leaves and
+        w-1 binary rules, so dividing each position's leaf scores by c_t and multiplying binary
+        rules by the constant b rescales a span's inside score by b^(w-1) / prod c_t, the same
+        for all its trees; in float64 this leaves hundreds of nats of headroom at length 32.
+        The sum over split points k is one batched product per width, before the rules are
+        applied: pairs[i, B, C] = sum_k in(i, i+k, B) in(i+k, i+w, C)."""
+        n, T = leaf.shape[:2]
+        full, rows, cols = [None, leaf], [None, leaf[..., self._rows]], \
+            [None, leaf[..., self._cols]]
+        for w in range(2, T + 1):
+            left, right_t = self._children(rows, cols, w)
+            pairs = torch.bmm(left, right_t.transpose(1, 2)).view(n, T - w + 1, -1)  # [n,ns,Q]
+            new = pairs @ self._rules_all  # [n, ns, (S+1) + G*br + G*bc]: three layouts
+            full.append(new[..., :self._S1])
+            rows.append(new[..., self._S1:self._S1 + len(self._rows)])
+            cols.append(new[..., self._S1 + len(self._rows):])
+        return full, rows, cols
+
+    def _children(self, rows, cols, w):
+        """Inside scores of the children of every span of width w, split k = 1..w-1, laid out
+        for bmm: left [n*ns*G, br, w-1], right (transposed) [n*ns*G, bc, w-1]."""
+        n, T = rows[1].shape[:2]
+        ns, N = T - w + 1, rows[1].shape[0] * (T - w + 1) * self._G
+        left = torch.stack([rows[k][:, :ns] for k in range(1, w)], -1)  # [n, ns, G*br, w-1]
+        right = torch.stack([cols[w - k][:, k:k + ns] for k in range(1, w)], -1)
+        return left.view(N, self._br, w - 1), right.view(N, self._bc, w - 1)
+
+    def _outside(self, inside, lengths):
+        """Outside pass, the exact reverse of _inside: out[w] [n, T-w+1, S+1] is the scaled
+        outside score of every span (the root seeds the span [0, length) of each sentence).
+        Contributions to children are gathered in the block layouts and scattered back to the
+        symbols once per width."""
+        full, rows, cols = inside
+        n, T, S1 = full[1].shape
+        G, br, bc = self._G, self._br, self._bc
+        out = [None] + [torch.zeros_like(c) for c in full[1:]]
+        out_rows = [None] + [torch.zeros_like(c) for c in rows[1:]]
+        out_cols = [None] + [torch.zeros_like(c) for c in cols[1:]]
+        for w in range(T, 0, -1):
+            ns = T - w + 1
+            top = (lengths == w).nonzero()[:, 0]
+            out[w][top, 0, :S1 - 1] += self.root
+            out[w].index_add_(2, self._rows, out_rows[w]).index_add_(2, self._cols, out_cols[w])
+            if w == 1:
+                break
+            left, right_t = self._children(rows, cols, w)
+            g = (out[w] @ self._rules.T).view(n * ns * G, br, bc)  # outside x rule, per pair
+            to_left = torch.bmm(g, right_t).view(n, ns, G * br, w - 1)
+            to_right = torch.bmm(g.transpose(1, 2), left).view(n, ns, G * bc, w - 1)
+            for k in range(1, w):
+                out_rows[k][:, :ns] += to_left[..., k - 1]
+                out_cols[w - k][:, k:k + ns] += to_right[..., k - 1]
+        return out
+
+    def _leaf(self, tokens, lengths):
+        """Scaled leaf scores [n, T, S+1] (zero beyond the length and in the pad column S) and
+        log c_t [n, T]."""
+        T = tokens.shape[1]
+        valid = torch.arange(T) < lengths[:, None]
+        leaf = self.lexical.T[tokens.clamp(0, self.vocab_size - 1)]  # [n, T, S]
+        c = leaf.amax(-1)
+        c = torch.where(valid & (c > 0), c, torch.ones_like(c))
+        leaf = torch.where(valid[..., None], leaf / c[..., None], torch.zeros_like(leaf))
+        return torch.nn.functional.pad(leaf, (0, 1)), c.log()  # [n, T, S+1]: zero pad column
+
+    def _batches(self, lengths, size=128, spread=3):
+        """Index batches of sentences sorted by length, at most `size` long and at most `spread`
+        words apart, so padding to the batch's longest sentence costs little."""
+        order = lengths.argsort(stable=True)
+        srt = lengths[order].tolist()
+        batches, start = [], 0
+        for i in range(1, len(srt) + 1):
+            if i == len(srt) or i - start == size or srt[i] > srt[start] + spread:
+                batches.append(order[start:i])
+                start = i
+        return batches
+
+    def log_prob(self, tokens, lengths):
+        """log Pr(x) of each sentence by the inside algorithm [n] float64 (unconditioned on
+        length <= max_len; -inf for sentences the grammar cannot generate)."""
+        tokens, lengths = self._check_tokens(tokens, lengths)
+        out = torch.empty(len(lengths), dtype=torch.float64)
+        for idx in self._batches(lengths):
+            L = lengths[idx]
+            leaf, logc = self._leaf(tokens[idx, :int(L.max())], L)
+            chart = self._inside(leaf)[0]
+            top = torch.stack([chart[l][r, 0, :-1] for r, l in enumerate(L.tolist())])  # [b, S]
+            out[idx] = ((top @ self.root).log() + logc.sum(1)  # undo the exact scaling
+                        - (L - 1).double() * math.log(self._bscale))
+        return out
+
+    def _inside_outside(self, tokens, lengths):
+        """Scaled inside and outside charts of a batch (trimmed to its longest sentence)."""
+        T = int(lengths.max())
+        leaf, _ = self._leaf(tokens[:, :T], lengths)
+        inside = self._inside(leaf)
+        return inside[0], self._outside(inside, lengths)
+
+    def mlm_conditional(self, tokens, lengths):
+        """Exact Pr(x_t = w | x_-t) [n, T, V] float64 for every position t < length (App. A.1):
+        the outside score of the width-1 span at t (which does not involve x_t) times the
+        lexical probabilities, normalised over w; one inside-outside pass per sentence, batched.
+        Zero at t >= length; tokens there are ignored."""
+        tokens, lengths = self._check_tokens(tokens, lengths)
+        n, T = tokens.shape
+        out = torch.zeros(n, T, self.vocab_size, dtype=torch.float64)
+        for idx in self._batches(lengths):
+            _, outside = self._inside_outside(tokens[idx], lengths[idx])
+            p = outside[1][..., :-1] @ self.lexical  # [b, T', V]
+            z = p.sum(-1, keepdim=True)
+            valid = torch.arange(p.shape[1]) < lengths[idx, None]
+            if (valid & (z[..., 0] <= 0)).any():
+                r = idx[(valid & (z[..., 0] <= 0)).nonzero()[0, 0]].item()
+                raise ValueError(f"sentence {r} has probability 0 under the grammar even with one "
+                                 f"word masked: no conditional exists")
+            p = torch.where(valid[..., None], p / z.clamp_min(1e-300), torch.zeros_like(p))
+            out[idx, :p.shape[1]] = p
+        return out
+
+    # ----- downstream tasks A, B, C (App. A.1) -----
+
+    @property
+    def tasks(self):
+        """Task names: A, B, C classify the symbol spanning the first 32, 16, 8 tokens."""
+        return list(self.TASK_SPAN)
+
+    def _span_length(self, task):
+        if task not in self.TASK_SPAN:
+            raise ValueError(f"PCFG: unknown task {task!r}; valid tasks are {self.tasks}")
+        return self.TASK_SPAN[task]
+
+    def n_classes(self, task):
+        """Each task is an n_symbols-way classification (paper: 50-way)."""
+        self._span_length(task)
+        return self.n_symbols
+
+    def span_posterior(self, tokens, lengths, span_len):
+        """Pr(s spans exactly [0, m) | x) [n, S] with m = min(span_len, length): inside x outside
+        of that span over Pr(x) (App. A.1). Rows sum to Pr([0, m) is a constituent | x) <= 1.
+        A span [0, m) can only be a left child, of a span [0, j), so its outside score needs
+        only the outside scores of the other spans starting at 0: one inside pass plus O(T)
+        small products per sentence."""
+        tokens, lengths = self._check_tokens(tokens, lengths)
+        S = self.n_symbols
+        rules = (self.binary * self._bscale).reshape(S, S * S)  # scaled like _inside's
+        out = torch.zeros(len(lengths), S, dtype=torch.float64)
+        m = lengths.clamp(max=int(span_len))
+        for idx in self._batches(lengths):
+            n, L = len(idx), lengths[idx]
+            T = int(L.max())
+            leaf, _ = self._leaf(tokens[idx, :T], L)
+            full = [None] + [c[..., :S] for c in self._inside(leaf)[0][1:]]
+            out0 = torch.zeros(n, T + 1, S, dtype=torch.float64)  # outside of [0, w)
+            for j in range(T, 1, -1):
+                out0[L == j, j] += self.root
+                M = (out0[:, j] @ rules).view(n, S, S)  # [n, B, C]: sum_A out(0,j,A) b(A,B,C)
+                right = torch.stack([full[j - k][:, k] for k in range(1, j)], 1)  # in(k, j)
+                out0[:, 1:j] += torch.einsum("nbc,nkc->nkb", M, right)
+            out0[L == 1, 1] += self.root
+            z = torch.stack([full[l][r, 0] @ self.root for r, l in enumerate(L.tolist())])
+            if (z <= 0).any():
+                raise ValueError(f"sentence {idx[(z <= 0).nonzero()[0, 0]].item()} has "
+                                 f"probability 0 under the grammar: no span posterior exists")
+            mi = m[idx]
+            rows = torch.arange(n)
+            inside0 = torch.stack([full[w][r, 0] for r, w in enumerate(mi.tolist())])
+            out[idx] = inside0 * out0[rows, mi] / z[:, None]
+        return out
+
+    def task_data(self, task, n, seed=0):
+        """(tokens, lengths, labels [n]) for task A/B/C: label = argmax_s Pr(s spans exactly
+        the first min(L, length) tokens | x), L = 32/16/8 (App. A.1). Sentences in which no
+        symbol can span those tokens (posterior mass 0: the label is undefined) are skipped,
+        so the sentences are drawn from the language conditioned on that span being possible."""
+        L = self._span_length(task)
+        toks, lens, labs, got, tried, rnd = [], [], [], 0, 0, 0
+        while got < n:
+            rate = max(got / tried, 0.05) if tried else 1.0  # fraction of sentences kept so far
+            t, l = self.sentences(int(1.1 * (n - got) / rate) + 16,
+                                  seed=(seed + 1) * 1000003 + rnd)  # not sentences(seed)
+            post = self.span_posterior(t, l, L)
+            ok = post.sum(1) > 1e-12
+            toks.append(t[ok]), lens.append(l[ok]), labs.append(post[ok].argmax(1))
+            got, tried, rnd = got + int(ok.sum()), tried + len(l), rnd + 1
+        return torch.cat(toks)[:n], torch.cat(lens)[:n], torch.cat(labs)[:n]
+
+
+# ------------------------------------------------------------------- generic: any language ---
+
+def language_from_spec(spec):
+    """Rebuild a language from its .spec() (what checkpoints store)."""
+    kinds = {k: c for k, c in (("pcfg", PCFG), ("hmm", globals().get("HMM")),
+                                ("teacher", globals().get("TeacherLM"))) if c is not None}
+    kind = spec.get("kind") if isinstance(spec, dict) else None
+    if kind not in kinds:
+        raise ValueError(f"unknown language kind {kind!r}; expected one of {sorted(kinds)}")
+    return kinds[kind].from_spec(spec)
+
+
+def mlm_entropy(lang, n=1000, seed=0, batch=500):
+    """Optimal MLM loss (paper §2.1; App. A.4): E_x[(1/n_x) sum_t H(Pr(. | x_-t))] for one mask
+    per sentence placed uniformly among its n_x positions, averaged exactly over the position,
+    estimated over n fresh sentences; returns (mean, standard error) in nats."""
+    tokens, lengths = lang.sentences(n, seed=seed)
+    per_sentence = torch.empty(n, dtype=torch.float64)
+    for i in range(0, n, batch):
+        p = lang.mlm_conditional(tokens[i:i + batch], lengths[i:i + batch])
+        h = -(p * p.clamp_min(1e-300).log()).sum(-1)  # [b, T], zero beyond the length
+        per_sentence[i:i + batch] = h.sum(1) / lengths[i:i + batch]
+    return per_sentence.mean().item(), (per_sentence.std() / math.sqrt(n)).item()
+
+
+# ---------------------------------------------------------------------------------- masking ---
+
+def mask_one(tokens, lengths, V, generator=None):
+    """Mask one position per sentence, uniform among its words (the paper's default, §2.1):
+    returns (inputs with mask_id(V) there, targets [n] = the masked words, positions [n])."""
+    n = tokens.shape[0]
+    u = torch.rand(n, generator=generator, dtype=torch.float64)
+    positions = (u * lengths).long().clamp(max=lengths - 1)
+    inputs = tokens.clone()
+    targets = tokens[torch.arange(n), positions].clone()
+    inputs[torch.arange(n), positions] = mask_id(V)
+    return inputs, targets, positions
+
+
+def mask_rate(tokens, lengths, V, rate=0.15, generator=None):
+    """Mask each word independently with probability `rate` (App. E; all chosen positions become
+    [MASK], no BERT 80/10/10 replacement), at least one per sentence: returns (inputs,
+    targets [n, T]) with targets -100 where nothing is predicted."""
+    if not 0 < rate <= 1:
+        raise ValueError(f"rate must be in (0, 1]; got {rate}")
+    n, T = tokens.shape
+    valid = torch.arange(T) < lengths[:, None]
+    chosen = (torch.rand(n, T, generator=generator) < rate) & valid
+    _, _, one = mask_one(tokens, lengths, V, generator)
+    chosen[torch.arange(n), one] |= ~chosen.any(1)
+    inputs = torch.where(chosen, torch.full_like(tokens, mask_id(V)), tokens)
+    targets = torch.where(chosen, tokens, torch.full_like(tokens, -100))
+    return inputs, targets
+
+
+# -------------------------------------------------------------------------------------- CLI ---
+
+def build_language(kind, seed=0, rules=None):
+    """The default language of each kind (CLI): the random PCFG / HMM / teacher of `seed`, or
+    the PCFG read from a rule file."""
+    if rules and kind != "pcfg":
+        raise SystemExit("--rules only applies to pcfg")
+    if rules:
+        return PCFG.from_rules(rules)
+    cls = {"pcfg": PCFG, "hmm": globals().get("HMM"), "teacher": globals().get("TeacherLM")}[kind]
+    if cls is None:
+        raise SystemExit(f"language kind {kind!r} is not available in this data.py")
+    return getattr(cls, "random", cls)(seed=seed)  # TeacherLM is built from its seed directly
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Sample a synthetic language dataset (paper App. "
+                                "A.1) with task labels and the generator's spec; reload it with "
+                                "torch.load(FILE, weights_only=True).")
+    p.add_argument("kind", choices=["pcfg", "hmm", "teacher"], help="which language")
+    p.add_argument("--n", type=int, default=10000, help="number of sentences")
+    p.add_argument("--seed", type=int, default=0, help="seed of the language and the sample")
+    p.add_argument("--out", required=True, help="output file (.pt)")
+    p.add_argument("--rules", default=None, help="pcfg only: read the grammar from this rule "
+                   "file (format of PCFG.from_rules) instead of PCFG.random(seed)")
+    p.add_argument("--conditionals", action="store_true",
+                   help="also store the exact conditionals Pr(x_t|x_-t) [n,T,V] (large)")
+    args = p.parse_args(argv)
+    if args.n < 1:
+        raise SystemExit("--n must be >= 1")
+    t0 = time.time()
+    lang = build_language(args.kind, args.seed, args.rules)
+    print(f"language: {lang!r}", flush=True)
+    tokens, lengths = lang.sentences(args.n, seed=args.seed)
+    print(f"sampled {args.n} sentences, mean length {lengths.double().mean():.2f} "
+          f"({time.time() - t0:.1f} s)", flush=True)
+    out = {"spec": lang.spec(), "seed": args.seed, "tokens": tokens, "lengths": lengths,
+           "labels": {}}
+    for task in lang.tasks:  # each task gets its own fresh sentences, as the paper's sets do
+        t, l, y = lang.task_data(task, args.n, seed=args.seed + 1)
+        out["labels"][task] = {"tokens": t, "lengths": l, "labels": y}
+        print(f"task {task}: {args.n} labelled sentences, {len(torch.unique(y))} distinct "
+              f"labels ({time.time() - t0:.1f} s)", flush=True)
+    if args.conditionals:
+        cond = []
+        for i in range(0, args.n, 500):
+            cond.append(lang.mlm_conditional(tokens[i:i + 500], lengths[i:i + 500]))
+            print(f"conditionals {min(i + 500, args.n)}/{args.n} ({time.time() - t0:.1f} s)",
+                  flush=True)
+        out["conditionals"] = torch.cat(cond)
+    h, se = mlm_entropy(lang, n=min(args.n, 1000), seed=args.seed + 2)
+    print(f"optimal MLM loss (entropy): {h:.4f} +- {se:.4f} nats", flush=True)
+    torch.save(out, args.out)
+    print(f"wrote {args.out} ({time.time() - t0:.1f} s)")
+
+
+try:  # TEMPORARY: merged into this file by the lead
+    from data_hmm_teacher import HMM, TeacherLM
+except ImportError:
+    pass
+
+if __name__ == "__main__":
+    main()
