@@ -26,12 +26,14 @@ It prints the language, the mean length, the optimal MLM loss (entropy) and wher
 dataset that `torch.load(FILE, weights_only=True)` reads back, generator spec included.
 """
 import argparse
+import inspect
 import math
 import os
 import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 # ----------------------------------------------------------------------------- special ids ---
 
@@ -687,6 +689,752 @@ class PCFG:
         return torch.cat(toks)[:n], torch.cat(lens)[:n], torch.cat(labs)[:n]
 
 
+# ------------------------------------------------------------------------------------- HMM ---
+
+
+def _hmm_check_rows(m, name, what, tol=1e-8):
+    """Raise ValueError unless every row of `m` [R,K] is a probability distribution; the
+    message names the row, e.g. "trans row 3 (transitions out of state 3)"."""
+    def where(i):
+        return f"HMM: {name} ({what})" if m.shape[0] == 1 else f"HMM: {name} row {i} ({what} {i})"
+    if torch.isnan(m).any():
+        raise ValueError(f"{where(int(torch.isnan(m).any(1).nonzero()[0]))} contains NaN")
+    if (m < 0).any():
+        i = int((m < 0).any(1).nonzero()[0])
+        raise ValueError(f"{where(i)} has a negative entry (min {float(m[i].min()):.3g})")
+    dev = (m.sum(1) - 1).abs()
+    if (dev > tol).any():
+        i = int(dev.argmax())
+        raise ValueError(f"{where(i)} sums to {float(m[i].sum()):.12g}, off 1 by "
+                         f"{float(dev[i]):.3g}; normalise it (tolerance {tol:g})")
+
+
+def _hmm_renormalised(m):
+    """m [R,K] with the rows whose sum is off 1 by more than 1e-12 divided by their sum."""
+    s = m.sum(1, keepdim=True)
+    return torch.where((s - 1).abs() > 1e-12, m / s, m)
+
+
+def _hmm_row_cdfs(p):
+    """Sampling table for the rows of p [R,K]: (row r's CDF + r, flattened; last non-zero
+    column of each row). Offsetting row r by r makes one sorted array for all rows, so a
+    batch of draws from different rows is a single searchsorted."""
+    R, K = p.shape
+    cdf = p.cumsum(1)
+    cdf = cdf / cdf[:, -1:]  # ends at exactly 1
+    last = K - 1 - (p > 0).flip(1).int().argmax(1)
+    return (cdf + torch.arange(R, dtype=torch.float64)[:, None]).reshape(-1), last, K
+
+
+def _hmm_draw_rows(table, rows, u):
+    """One draw from row rows[i] of the table's matrix per uniform u[i] in [0,1) (inverse CDF).
+    Zero-probability columns are never drawn (their CDF equals the previous column's); the
+    clamp to the row's last non-zero column only catches rounding in rows + u near 1."""
+    flat, last, K = table
+    idx = torch.searchsorted(flat, rows + u, right=True) - rows * K
+    return torch.minimum(idx, last[rows])
+
+
+def _hmm_blocks(trans, emit):
+    """The blocks of an HMM: groups of states linked by a transition (either way) or by a word
+    both can emit, with the words they emit. A sentence stays inside one block, so inference
+    can run block by block (exactly). Returns [(states, words)] of long tensors."""
+    S = trans.shape[0]
+    nz = (emit > 0).double()
+    link = (trans > 0) | (trans > 0).T | ((nz @ nz.T) > 0)
+    label = torch.arange(S)
+    while True:  # propagate the smallest state id through each connected component
+        new = torch.minimum(label, torch.where(link, label[None, :], S).min(1).values)
+        if torch.equal(new, label):
+            break
+        label = new
+    return [((label == l).nonzero()[:, 0], (emit[label == l] > 0).any(0).nonzero()[:, 0])
+            for l in label.unique()]
+
+
+def _hmm_forward_backward(init, trans, emit, x, valid):
+    """Scaled forward-backward pass over a batch (App. A.1: exact conditionals of an HMM).
+
+    x, valid: (T, n) word ids and in-sentence mask, time-major so each step is contiguous.
+    Returns (T, n, S) tensors: the predictive forward message a[t](h) ∝ Pr(h_t = h, x_<t), the
+    emission likelihood e[t](h) = Pr(x_t | h_t = h) (1 at t >= length: those words are
+    marginalised out), the backward message b[t](h) ∝ Pr(x_>t | h_t = h), each rescaled to sum
+    1 (the scale cancels in every normalised quantity), and zero [n]: sentences of probability 0.
+    """
+    T, n = x.shape
+    e = emit.T[x]  # (T, n, S)
+    if not valid.all():
+        e[~valid] = 1.0
+    a = torch.empty_like(e)
+    b = torch.empty_like(e)
+    zero = torch.zeros(n, dtype=torch.bool)
+    a[0] = init
+    for t in range(T):
+        post = a[t] * e[t]
+        z = post.sum(1, keepdim=True)
+        zero |= z[:, 0] == 0
+        if t + 1 < T:
+            torch.mm(post.div_(z.clamp_min(1e-300)), trans, out=a[t + 1])
+    b[T - 1] = 1.0 / len(init)
+    for t in range(T - 2, -1, -1):
+        m = torch.mm(e[t + 1] * b[t + 1], trans.T, out=b[t])  # (n, S)
+        m.div_(m.sum(1, keepdim=True).clamp_min(1e-300))
+    return a, e, b, zero
+
+
+class HMM:
+    """A hidden Markov model language (paper §2.2, App. A.1): hidden states h_1..h_T with
+    h_1 ~ init, h_{t+1} ~ trans[h_t], word x_t ~ emit[h_t]; every sentence has length T.
+
+    `init` [S], `trans` [S,S] (rows: from-state), `emit` [S,V]; numpy arrays, torch tensors
+    or nested lists, each row a probability distribution (checked; ValueError names the row).
+    Downstream task "k" (paper: task-6, task-10) classifies the k-th hidden state (1-based).
+    """
+
+    def __init__(self, init, trans, emit, length=16):
+        init, trans, emit = (_as_float64(init, "HMM init"), _as_float64(trans, "HMM trans"),
+                             _as_float64(emit, "HMM emit"))
+        if init.dim() != 1 or init.numel() == 0:  # shapes first: row checks index by them
+            raise ValueError(f"HMM: init must have shape [S] (S >= 1); got {list(init.shape)}")
+        S = init.numel()
+        if trans.shape != (S, S):
+            raise ValueError(f"HMM: trans must have shape [S,S] = [{S},{S}] (S from init); "
+                             f"got {list(trans.shape)}")
+        if emit.dim() != 2 or emit.shape[0] != S or emit.shape[1] == 0:
+            raise ValueError(f"HMM: emit must have shape [S,V] = [{S},V]; got {list(emit.shape)}")
+        if int(length) != length or length < 1:
+            raise ValueError(f"HMM: length must be a positive integer; got {length!r}")
+        _hmm_check_rows(init[None], "init", "the initial distribution")
+        _hmm_check_rows(trans, "trans", "transitions out of state")
+        _hmm_check_rows(emit, "emit", "emissions of state")
+        # rows within the tolerance but off by more than rounding are renormalised, so every
+        # row sums to 1 to ~1e-12 and spec() -> from_spec() gives back identical arrays
+        self.init, self.trans, self.emit = (_hmm_renormalised(init[None])[0],
+                                            _hmm_renormalised(trans), _hmm_renormalised(emit))
+        self.n_states, self.vocab_size, self.max_len = S, emit.shape[1], int(length)
+        self._cdf_init, self._cdf_trans, self._cdf_emit = (
+            _hmm_row_cdfs(self.init[None]), _hmm_row_cdfs(self.trans), _hmm_row_cdfs(self.emit))
+        # blocks (sub-HMMs) for inference; words no state emits belong to block -1
+        self._blocks = []
+        self._word_block = torch.full((self.vocab_size,), -1, dtype=torch.long)
+        self._word_local = torch.zeros(self.vocab_size, dtype=torch.long)
+        for c, (states, words) in enumerate(_hmm_blocks(self.trans, self.emit)):
+            self._word_block[words] = c
+            self._word_local[words] = torch.arange(len(words))
+            self._blocks.append((states, words, self.init[states],
+                                 self.trans[states][:, states].contiguous(),
+                                 self.emit[states][:, words].contiguous()))
+
+    @classmethod
+    def random(cls, n_states=100, vocab_size=200, seed=0, n_blocks=4, length=16,
+               trans_concentration=0.5, emit_concentration=0.2):
+        """Random block-diagonal HMM (paper §2.2: "random block-diagonal stochastic matrices").
+
+        States and words are cut into `n_blocks` contiguous blocks of near-equal size; block b's
+        states move only among block b's states and emit only block b's words. Each row's
+        non-zero part is a Dirichlet(concentration) draw (numpy, `seed`): concentrations below
+        1 give sparse, peaked rows, i.e. a language with structure to learn; init is uniform.
+        Since a sentence never leaves its block, its first word reveals the block, and the
+        conditional entropy is at most log(V / n_blocks). Measured (10,000 sentences): the
+        defaults give 3.77 nats (the paper's HMM: 3.758) and a task-10 Bayes accuracy of 0.42
+        against the sampled state; the CPU experiments' HMM.random(20, 50, n_blocks=2) gives
+        2.87 nats and 0.64.
+        """
+        if not 1 <= n_blocks <= min(n_states, vocab_size):
+            raise ValueError(f"HMM.random: n_blocks must be in 1..min(n_states, vocab_size) = "
+                             f"1..{min(n_states, vocab_size)}; got {n_blocks}")
+        if trans_concentration <= 0 or emit_concentration <= 0:
+            raise ValueError("HMM.random: Dirichlet concentrations must be > 0; got "
+                             f"{trans_concentration}, {emit_concentration}")
+        rng = np.random.default_rng(seed)
+        states = np.array_split(np.arange(n_states), n_blocks)
+        words = np.array_split(np.arange(vocab_size), n_blocks)
+        trans = np.zeros((n_states, n_states))
+        emit = np.zeros((n_states, vocab_size))
+        for hs, ws in zip(states, words):
+            trans[hs[:, None], hs] = rng.dirichlet(np.full(len(hs), trans_concentration), len(hs))
+            emit[hs[:, None], ws] = rng.dirichlet(np.full(len(ws), emit_concentration), len(hs))
+        # Dirichlet draws with tiny concentrations can underflow to all-zero-but-one rows;
+        # renormalising in float64 keeps every row an exact distribution.
+        trans /= trans.sum(1, keepdims=True)
+        emit /= emit.sum(1, keepdims=True)
+        return cls(np.full(n_states, 1.0 / n_states), trans, emit, length=length)
+
+    # ----- plain-type description (what checkpoints store) -----
+
+    def spec(self):
+        """Plain-Python description; data.language_from_spec(spec) rebuilds this HMM exactly."""
+        return {"kind": "hmm", "length": self.max_len, "init": self.init.tolist(),
+                "trans": self.trans.tolist(), "emit": self.emit.tolist()}
+
+    @classmethod
+    def from_spec(cls, spec):
+        """Inverse of spec()."""
+        return cls(spec["init"], spec["trans"], spec["emit"], length=spec["length"])
+
+    # ----- sampling -----
+
+    def sample(self, n, length=None, seed=0):
+        """Draw n sentences: tokens [n,T] long and hidden states [n,T] long (T = length,
+        default self.max_len), vectorised over sentences by inverse-CDF sampling."""
+        T = self.max_len if length is None else int(length)
+        g = torch.Generator().manual_seed(int(seed))
+        u = torch.rand(2 * T, n, generator=g, dtype=torch.float64)
+        states = torch.empty(T, n, dtype=torch.long)
+        states[0] = _hmm_draw_rows(self._cdf_init, torch.zeros(n, dtype=torch.long), u[0])
+        for t in range(1, T):
+            states[t] = _hmm_draw_rows(self._cdf_trans, states[t - 1], u[t])
+        tokens = _hmm_draw_rows(self._cdf_emit, states.reshape(-1), u[T:].reshape(-1))
+        return tokens.reshape(T, n).T.contiguous(), states.T.contiguous()
+
+    def sentences(self, n, seed=0):
+        """Contract API: (tokens [n,T], lengths [n]) of fresh sentences (all of length T)."""
+        tokens, _ = self.sample(n, seed=seed)
+        return tokens, torch.full((n,), self.max_len, dtype=torch.long)
+
+    # ----- exact inference: one scaled forward-backward pass per block -----
+
+    def _passes(self, tokens, lengths):
+        """Validate a batch and run the forward-backward pass, block by block.
+
+        A sentence never leaves the block of states (and words) it starts in (see _hmm_blocks),
+        so each sentence is processed by its block's sub-HMM alone: with B equal blocks this
+        cuts the work by B^2 and is exact. A mask_id(V) token inside the length is unobserved:
+        its emission factor is 1. Yields (valid [n,T], observed [n,T], rows [n_c], block, a, e,
+        b) with the time-major messages of _hmm_forward_backward for the sentences `rows`.
+        """
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        if tokens.dim() != 2:
+            raise ValueError(f"HMM: tokens must be [n, T]; got shape {list(tokens.shape)}")
+        n, T = tokens.shape
+        if lengths is None:
+            lengths = torch.full((n,), T, dtype=torch.long)
+        lengths = torch.as_tensor(lengths, dtype=torch.long)
+        if lengths.shape != (n,) or (lengths < 1).any() or (lengths > T).any():
+            raise ValueError(f"HMM: lengths must be [n] = [{n}] with 1 <= length <= T = {T}")
+        valid = torch.arange(T) < lengths[:, None]  # (n, T)
+        seen = valid & (tokens != mask_id(self.vocab_size))  # a masked word is marginalised
+        bad = seen & ((tokens < 0) | (tokens >= self.vocab_size))
+        if bad.any():
+            i, t = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(f"HMM: sentence {i} position {t} holds id {int(tokens[i, t])}, "
+                             f"not a word id in 0..{self.vocab_size - 1} or mask_id")
+        x = torch.where(seen, tokens, 0)
+        first = x[torch.arange(n), seen.int().argmax(1)]  # first observed word
+        block = torch.where(seen.any(1), self._word_block[first], 0)  # (n,); -1: no state emits
+        mixed = seen & (self._word_block[x] != block[:, None])
+        if mixed.any() or (block < 0).any():
+            i, t = (int(v) for v in (mixed | (seen & (block[:, None] < 0))).nonzero()[0])
+            raise ValueError(f"HMM: sentence {i} has probability 0 under this HMM (word "
+                             f"{int(x[i, t])} at position {t} cannot occur with its other words)")
+        for c, (states, words, init, trans, emit) in enumerate(self._blocks):
+            rows = (block == c).nonzero()[:, 0]
+            if len(rows) == 0:
+                continue
+            xc = self._word_local[x[rows]].T  # (T, n_c): block-local word ids, time-major
+            a, e, b, zero = _hmm_forward_backward(init, trans, emit, xc, seen[rows].T)
+            if zero.any():
+                i = int(rows[zero.nonzero()[0, 0]])
+                raise ValueError(f"HMM: sentence {i} has probability 0 under this HMM; its "
+                                 f"conditionals are undefined")
+            yield valid, seen, rows, c, a, e, b
+
+    def mlm_conditional(self, tokens, lengths=None):
+        """Exact Pr(x_t = w | x_-t) for every position, [n,T,V] float64 (§2.1; App. A.1).
+
+        Leaving the emission at t out: Pr(x_t = w | x_-t) ∝ Σ_h a[t](h) b[t](h) emit[h, w],
+        with a[t] the predictive forward and b[t] the backward message of one forward-backward
+        pass. Zero at t >= length (the words there are ignored). mask_id(V) at other positions
+        marks unobserved words (marginalised), so masked model inputs can be passed as they are.
+        """
+        out = None
+        for valid, seen, rows, c, a, _, b in self._passes(tokens, lengths):
+            n, T = valid.shape
+            states, words, _, _, emit = self._blocks[c]
+            w = a.mul_(b).transpose(0, 1)  # (n_c, T, S_c) ∝ Pr(h_t = h | x_-t)
+            w = (w / w.sum(-1, keepdim=True)).reshape(-1, len(states))
+            # emit rows sum to 1 (renormalised in __init__): cond rows sum to 1 without a pass
+            cond = w @ emit  # (n_c * T, V_c)
+            if len(rows) == n and len(words) == self.vocab_size:
+                out = cond.reshape(n, T, self.vocab_size)  # one block holds everything
+                break
+            if out is None:
+                out = torch.zeros(n, T, self.vocab_size, dtype=torch.float64)
+            if int(words[-1] - words[0]) + 1 == len(words):  # contiguous words: slice, faster
+                out[rows, :, int(words[0]):int(words[-1]) + 1] = cond.view(len(rows), T, -1)
+            else:
+                out.view(n * T, -1)[(rows[:, None] * T + torch.arange(T)).reshape(-1, 1),
+                                    words] = cond
+        if out is None:  # empty batch
+            return torch.zeros(*torch.as_tensor(tokens).shape, self.vocab_size,
+                               dtype=torch.float64)
+        if not valid.all():
+            out[~valid] = 0.0
+        # where x_-t holds no observed word (a one-word sentence, or only masks), nothing, not
+        # even the block, is known: the conditional is the marginal Pr(x_t = w)
+        alone = valid & (seen.sum(1, keepdim=True) - seen.long() == 0)
+        if alone.any():
+            out[alone] = self._marginals(T)[alone.nonzero()[:, 1]]
+        return out
+
+    def _marginals(self, T):
+        """Pr(x_t = w) for t < T, [T, V]: init @ trans^t @ emit."""
+        p, rows = self.init, []
+        for _ in range(T):
+            rows.append(p @ self.emit)
+            p = p @ self.trans
+        return torch.stack(rows)
+
+    def state_posterior(self, tokens, lengths=None):
+        """Pr(h_t = h | x) for every position, [n,T,S] float64 (forward-backward smoothing);
+        rows at t >= length are the prior of h_t given the sentence."""
+        out = None
+        for valid, _, rows, c, a, e, b in self._passes(tokens, lengths):
+            n, T = valid.shape
+            states = self._blocks[c][0]
+            p = a.mul_(e).mul_(b).transpose(0, 1)  # (n_c, T, S_c)
+            p = (p / p.sum(-1, keepdim=True)).reshape(-1, len(states))
+            if out is None:
+                out = torch.zeros(n, T, self.n_states, dtype=torch.float64)
+            flat = (rows[:, None] * T + torch.arange(T)).reshape(-1, 1)
+            out.view(n * T, -1)[flat, states] = p
+        if out is None:  # empty batch
+            return torch.zeros(*torch.as_tensor(tokens).shape, self.n_states,
+                               dtype=torch.float64)
+        return out
+
+    # ----- downstream tasks: classify the k-th hidden state (paper task-6, task-10) -----
+
+    @property
+    def tasks(self):
+        """The paper's task names that fit this length (any "k" with 1 <= k <= T is accepted)."""
+        return [k for k in ("6", "10") if int(k) <= self.max_len]
+
+    def _task_position(self, task):
+        k = str(task)
+        if not (k.isdigit() and 1 <= int(k) <= self.max_len):
+            raise ValueError(f"HMM: unknown task {task!r}; valid tasks are '1'..'{self.max_len}' "
+                             f"(the k-th hidden state; paper: {self.tasks})")
+        return int(k) - 1
+
+    def n_classes(self, task):
+        """Task-k is an n_states-way classification."""
+        self._task_position(task)
+        return self.n_states
+
+    def task_data(self, task, n, seed=0, label="posterior"):
+        """(tokens, lengths, labels [n]) for task-k: label = argmax_h Pr(h_k = h | x) (Bayes
+        optimal, default) or, with label="sampled", the hidden state the sentence was drawn with."""
+        t = self._task_position(task)
+        if label not in ("posterior", "sampled"):
+            raise ValueError(f"HMM: label must be 'posterior' or 'sampled'; got {label!r}")
+        tokens, states = self.sample(n, seed=seed)
+        if label == "sampled":
+            labels = states[:, t].clone()
+        else:
+            labels = self.state_posterior(tokens)[:, t].argmax(-1)
+        return tokens, torch.full((n,), self.max_len, dtype=torch.long), labels
+
+
+# ----------------------------------------------------------------------------- teacher LM ---
+
+def _teacher_attention(q, k, v, past_k, past_v):
+    """Causal multi-head attention of m new positions over P cached ones plus themselves.
+
+    q, k, v: (B, C, H, m, dh) for C candidate continuations that share one cached prefix
+    past_k, past_v: (B, H, P, dh). Scores against the prefix are computed once per prefix with
+    the C*m queries stacked (no copy of the cache per candidate). Returns (B, C, H, m, dh).
+    """
+    B, C, H, m, dh = q.shape
+    P = past_k.shape[2]
+    qs = q.transpose(1, 2).reshape(B, H, C * m, dh)
+    s_past = (qs @ past_k.transpose(-1, -2)).reshape(B, H, C, m, P).transpose(1, 2)
+    s_new = q @ k.transpose(-1, -2)  # (B, C, H, m, m)
+    s_new += torch.full((m, m), float("-inf"), dtype=q.dtype).triu(1)  # causal
+    p = torch.cat([s_past, s_new], -1).mul_(dh ** -0.5).softmax(-1)  # (B, C, H, m, P + m)
+    out = p[..., P:] @ v
+    if P:
+        pp = p[..., :P].transpose(1, 2).reshape(B, H, C * m, P)
+        out = out + (pp @ past_v).reshape(B, H, C, m, dh).transpose(1, 2)
+    return out
+
+
+class TeacherLM:
+    """Teacher-LM language: sentences sampled from a small random causal transformer, the
+    paper's OPT-generated dataset (§2.2, App. A.1) at a size whose exact conditionals a CPU
+    can afford. No download: the teacher is initialised from `seed` and never trained.
+
+    Generation (paper: "starting from the bos token, we sample every token ... from the
+    predicted autoregressive LM probability ... length restricted to 24"): draw a latent topic
+    z uniformly from n_topics, then x_1, x_2, ... ~ Pr(. | bos, x_<t, z) until the teacher emits
+    eos or the sentence reaches `length` words (eos is not allowed as the first token). The
+    paper's 3.2e9 tokens in 2e8 sentences (16 per sentence, maximum 24) indicate variable
+    lengths, hence eos; sentences are padded with pad_id(V) after their length.
+
+    Vocabulary (paper: "only the top-2000 most frequent tokens"): a random teacher has no
+    token counts to rank, so "top-k" is simply a V-word output layer (plus eos); a Zipf-shaped
+    bias -zipf*log(1 + w) on the word logits gives a skewed unigram distribution, as real text
+    has. Defaults (V 100, T 24): mean length ≈ 16 words, MLM entropy ≈ 2.5 nats against a
+    unigram entropy ≈ 3.7 and log V = 4.6, Bayes accuracy of the topic task ≈ 0.90.
+
+    Topic z enters as an embedding added at every position (like a control code), so it shapes
+    the whole sentence; the downstream task "topic" (our stand-in for SST-2/QNLI, which need
+    real text) classifies z from x with the Bayes label argmax_z Pr(z | x).
+
+    The network: token + position + topic embeddings, n_layers pre-LN blocks (causal
+    multi-head self-attention, ReLU MLP of width 4*d_model), a final LayerNorm and an output
+    layer over V words + eos; no biases; Gaussian weights scaled so activations stay O(1).
+    `temperature` divides the network's logits (lower: more peaked, lower entropy); `eos_bias`
+    is added to the eos logit and sets the mean length; `topic_strength` scales the topic
+    embeddings and so how visible z is in the sentence.
+
+    The exact MLM conditional comes from the joint, Pr(x) = Σ_z Pr(z) Π_t Pr(x_t | x_<t, z)
+    (times Pr(eos | x, z) when the sentence is shorter than `length`): for each position t the
+    teacher scores all V candidate words at once, reusing the cached prefix x_<t (App. A.1).
+    OPTTeacher (below) puts a local OPT checkpoint in the teacher's place.
+    """
+
+    def __init__(self, vocab_size=100, length=24, n_topics=2, d_model=32, n_layers=2,
+                 n_heads=4, temperature=0.5, zipf=0.5, eos_bias=1.0, topic_strength=0.3,
+                 seed=0):
+        if vocab_size < 1 or length < 1 or n_topics < 1 or n_layers < 0:
+            raise ValueError("TeacherLM: vocab_size, length and n_topics must be >= 1 and "
+                             f"n_layers >= 0; got {vocab_size}, {length}, {n_topics}, {n_layers}")
+        if d_model < 1 or n_heads < 1 or d_model % n_heads:
+            raise ValueError(f"TeacherLM: d_model ({d_model}) must be a positive multiple of "
+                             f"n_heads ({n_heads})")
+        if not temperature > 0:
+            raise ValueError(f"TeacherLM: temperature must be > 0; got {temperature}")
+        self.args = dict(vocab_size=int(vocab_size), length=int(length),
+                         n_topics=int(n_topics), d_model=int(d_model), n_layers=int(n_layers),
+                         n_heads=int(n_heads), temperature=float(temperature), zipf=float(zipf),
+                         eos_bias=float(eos_bias), topic_strength=float(topic_strength),
+                         seed=int(seed))
+        self.vocab_size, self.max_len, self.n_topics = int(vocab_size), int(length), int(n_topics)
+        self.eos = self.bos = self.vocab_size  # internal ids: output V = eos, input V = bos
+        self.n_heads = int(n_heads)
+        V, d = self.vocab_size, int(d_model)
+        g = torch.Generator().manual_seed(int(seed))
+
+        def randn(*shape, std):  # every weight a seeded Gaussian; std keeps activations O(1)
+            return torch.randn(*shape, generator=g, dtype=torch.float64) * std
+
+        self.emb = randn(V + 1, d, std=1.0)  # words 0..V-1, bos = V
+        self.pos = randn(self.max_len, d, std=1.0)
+        self.topic = randn(self.n_topics, d, std=topic_strength)
+        self.layers = [dict(wqkv=randn(d, 3 * d, std=d ** -0.5), wo=randn(d, d, std=d ** -0.5),
+                            w1=randn(d, 4 * d, std=d ** -0.5),
+                            w2=randn(4 * d, d, std=(4 * d) ** -0.5))
+                       for _ in range(int(n_layers))]
+        self.wout = randn(d, V + 1, std=d ** -0.5 / temperature)
+        self.bias = torch.cat([-zipf * torch.arange(1, V + 1, dtype=torch.float64).log(),
+                               torch.tensor([eos_bias], dtype=torch.float64)])
+
+    @classmethod
+    def random(cls, seed=0, **kwargs):
+        """The random teacher of `seed` (same name as PCFG.random / HMM.random)."""
+        return cls(seed=seed, **kwargs)
+
+    # ----- plain-type description (what checkpoints store) -----
+
+    def spec(self):
+        """Plain-Python description: the constructor's arguments (the weights follow from the
+        seed); data.language_from_spec(spec) rebuilds an identical teacher."""
+        return {"kind": "teacher", **self.args}
+
+    @classmethod
+    def from_spec(cls, spec):
+        """Inverse of spec()."""
+        args = {k: v for k, v in spec.items() if k != "kind"}
+        if "path" in args and cls is TeacherLM:  # an OPTTeacher's spec
+            return OPTTeacher.from_spec(spec)
+        known = list(inspect.signature(cls).parameters)
+        if set(args) - set(known):
+            raise ValueError(f"TeacherLM spec: unknown keys {sorted(set(args) - set(known))}; "
+                             f"expected some of {known}")
+        return cls(**args)
+
+    # ----- the teacher network -----
+
+    def _forward(self, inputs, start, topics, past=None):
+        """Logits of the next token (V words + eos) at m new positions.
+
+        inputs (B, C, m): token ids at positions start..start+m-1 (bos = V); topics (B,);
+        past: per layer (k, v) of shape (B, H, start, dh), shared by the C candidates.
+        Returns logits (B, C, m, V+1) and the cache of the new positions of candidate 0: per
+        layer (k, v) of shape (B, H, m, dh).
+        """
+        B, C, m = inputs.shape
+        H = self.n_heads
+        h = self.emb[inputs] + self.pos[start:start + m] + self.topic[topics][:, None, None]
+        new = []
+        for i, L in enumerate(self.layers):
+            x = F.layer_norm(h, h.shape[-1:])
+            q, k, v = (x @ L["wqkv"]).view(B, C, m, 3, H, -1).permute(3, 0, 1, 4, 2, 5)
+            if past is None or start == 0:
+                pk = pv = q.new_zeros(B, H, 0, q.shape[-1])
+            else:
+                pk, pv = past[i]
+            a = _teacher_attention(q, k, v, pk, pv)  # (B, C, H, m, dh)
+            h = h + a.transpose(2, 3).reshape(B, C, m, -1) @ L["wo"]
+            x = F.layer_norm(h, h.shape[-1:])
+            h = h + torch.relu(x @ L["w1"]) @ L["w2"]
+            new.append((k, v))
+        logits = F.layer_norm(h, h.shape[-1:]) @ self.wout + self.bias
+        if start == 0:  # eos cannot be the first token: every sentence has >= 1 word
+            logits[..., 0, self.eos] = float("-inf")
+        return logits, [(k[:, 0], v[:, 0]) for k, v in new]  # cache of candidate 0
+
+    def _prefix(self, cache, P):
+        """The cache of the first P positions (a prefix shared by candidates)."""
+        return [(k[:, :, :P], v[:, :, :P]) for k, v in cache]
+
+    def _extend(self, past, new):
+        """The cache `past` followed by the cache `new` of the next positions."""
+        return [(torch.cat([pk, k], 2), torch.cat([pv, v], 2)) for (pk, pv), (k, v) in
+                zip(past, new)]
+
+    # ----- sampling -----
+
+    def sample(self, n, seed=0):
+        """Draw n sentences: tokens [n,T] (pad_id(V) after the length), lengths [n], topics [n];
+        autoregressive with a key/value cache, vectorised over sentences."""
+        g = torch.Generator().manual_seed(int(seed))
+        T, V = self.max_len, self.vocab_size
+        topics = torch.randint(self.n_topics, (n,), generator=g)
+        tokens = torch.full((n, T), pad_id(V), dtype=torch.long)
+        lengths = torch.full((n,), T, dtype=torch.long)
+        past = None
+        prev = torch.full((n,), self.bos, dtype=torch.long)
+        done = torch.zeros(n, dtype=torch.bool)
+        for t in range(T):
+            logits, new = self._forward(prev[:, None, None], t, topics, past)
+            past = new if past is None else self._extend(past, new)
+            x = torch.multinomial(logits[:, 0, 0].softmax(-1), 1, generator=g)[:, 0]
+            ended = ~done & (x == self.eos)
+            lengths[ended] = t
+            done |= ended
+            if done.all():
+                break
+            tokens[~done, t] = x[~done]
+            prev = torch.where(done, 0, x)  # finished rows keep running on a dummy word
+        return tokens, lengths, topics
+
+    def sentences(self, n, seed=0):
+        """Contract API: (tokens [n,T], lengths [n]) of fresh sentences."""
+        tokens, lengths, _ = self.sample(n, seed=seed)
+        return tokens, lengths
+
+    # ----- exact probabilities -----
+
+    def _check_batch(self, tokens, lengths):
+        """Validate a batch; returns word ids widened to max_len (0 beyond each length: a
+        sentence of length T < max_len still has its eos factor at position T), lengths, and
+        the in-sentence mask [n,T] of the given width."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        if tokens.dim() != 2 or tokens.shape[1] > self.max_len:
+            raise ValueError(f"TeacherLM: tokens must be [n, T] with T <= {self.max_len}; got "
+                             f"shape {list(tokens.shape)}")
+        n, T = tokens.shape
+        if lengths is None:
+            lengths = torch.full((n,), T, dtype=torch.long)
+        lengths = torch.as_tensor(lengths, dtype=torch.long)
+        if lengths.shape != (n,) or (lengths < 1).any() or (lengths > T).any():
+            raise ValueError(f"TeacherLM: lengths must be [n] = [{n}] with 1 <= length <= "
+                             f"T = {T}")
+        valid = torch.arange(T) < lengths[:, None]
+        masked = valid & (tokens == mask_id(self.vocab_size))
+        if masked.any():
+            i, t = (int(v) for v in masked.nonzero()[0])
+            raise ValueError(f"TeacherLM: sentence {i} position {t} holds mask_id; marginalising "
+                             f"a masked word would cost V times more. Put any word there: the "
+                             f"conditional at that position does not depend on it (every word "
+                             f"has positive probability under the teacher)")
+        bad = valid & ((tokens < 0) | (tokens >= self.vocab_size))
+        if bad.any():
+            i, t = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(f"TeacherLM: sentence {i} position {t} holds id "
+                             f"{int(tokens[i, t])}, not a word id in 0..{self.vocab_size - 1}")
+        x = torch.zeros(n, self.max_len, dtype=torch.long)
+        x[:, :T] = torch.where(valid, tokens, 0)
+        return x, lengths, valid
+
+    def _targets(self, x, lengths):
+        """Next-token targets per output position p (input position p holds bos, x_1..): x_p
+        inside the sentence, eos at p = length (< max_len), -1 (no factor) beyond."""
+        n, T = x.shape
+        p = torch.arange(T)
+        tgt = torch.where(p < lengths[:, None], x, -1)
+        tgt[(p == lengths[:, None]) & (lengths[:, None] < self.max_len)] = self.eos
+        return tgt
+
+    def _topic_log_joint(self, x, lengths):
+        """log Pr(x | z) for every topic: (n, K), plus the full-forward log-probs (n*K, T, V+1)
+        and caches, topic-major rows (row = z * n + i)."""
+        n, T = x.shape
+        K = self.n_topics
+        inputs = torch.cat([torch.full((n, 1), self.bos), x[:, :T - 1]], 1).repeat(K, 1)
+        topics = torch.arange(K).repeat_interleave(n)
+        logits, cache = self._forward(inputs[:, None], 0, topics)
+        logp = logits[:, 0].log_softmax(-1)  # (n*K, T, V+1)
+        tgt = self._targets(x, lengths).repeat(K, 1)
+        f = logp.gather(2, tgt.clamp_min(0)[..., None])[..., 0] * (tgt >= 0)
+        return f.sum(1).view(K, n).T, f, logp, tgt, cache, topics
+
+    def log_prob(self, tokens, lengths=None):
+        """log Pr(x) = log Σ_z Pr(z) Pr(x | z) (App. A.1), [n] float64."""
+        x, lengths, _ = self._check_batch(tokens, lengths)
+        lj = self._topic_log_joint(x, lengths)[0]
+        return torch.logsumexp(lj, 1) - math.log(self.n_topics)
+
+    def topic_posterior(self, tokens, lengths=None):
+        """Pr(z | x) for every topic, [n, K] float64 (Bayes' rule on the teacher's joint)."""
+        x, lengths, _ = self._check_batch(tokens, lengths)
+        return self._topic_log_joint(x, lengths)[0].softmax(1)
+
+    def mlm_conditional(self, tokens, lengths=None, chunk=None):
+        """Exact Pr(x_t = w | x_-t) for every position, [n,T,V] float64 (§2.1, App. A.1);
+        `chunk`: sentences per batch (default: by size).
+
+        Pr(x_t = w | x_-t) ∝ Σ_z Pr(x_<t | z) Pr(w | x_<t, z) Π_{s>t} Pr(x_s | x_<t, w,
+        x_t+1..s-1, z) (with the eos factor at s = length < max_len). For each t the V
+        candidates' suffixes run through the teacher as one batch over the cached prefix.
+        Cost ≈ V * length^2 / 2 token evaluations per sentence and topic. Zero at t >= length.
+        """
+        x, lengths, valid = self._check_batch(tokens, lengths)
+        n, T = x.shape  # T = max_len
+        out = torch.zeros(n, T, self.vocab_size, dtype=torch.float64)
+        # small batches stay in cache: ~5e5 logits per batch was fastest here (1 sentence at
+        # the default size; 4 and 16 sentences were 1.3x and 2x slower)
+        chunk = chunk or max(1, 500_000 // (self.vocab_size * T * (self.vocab_size + 1)
+                                             * self.n_topics))
+        order = lengths.argsort()  # similar lengths share a chunk: less padded work
+        for i in range(0, n, chunk):
+            rows = order[i:i + chunk]
+            out[rows] = self._conditional_chunk(x[rows], lengths[rows])
+        return out[:, :valid.shape[1]] * valid[..., None]
+
+    def _conditional_chunk(self, x, lengths):
+        """mlm_conditional for one batch of word ids x [n, max_len]; returns [n, max_len, V]."""
+        n, T = x.shape
+        V, K = self.vocab_size, self.n_topics
+        _, f, logp, tgt, cache, topics = self._topic_log_joint(x, lengths)
+        prefix = f.cumsum(1) - f  # (n*K, T): log Pr(x_<t | z)
+        out = torch.zeros(n, T, V, dtype=torch.float64)
+        words = torch.arange(V)
+        for t in range(int(lengths.max())):
+            # suffix positions t+1..t+m carry the factors changed by x_t; the last factor is
+            # at position length (eos) or length - 1 (a full-length sentence)
+            m = min(T - 1, int(lengths.max())) - t
+            lj = prefix[:, t, None] + logp[:, t, :V]  # (n*K, V)
+            if m > 0:
+                cand = torch.cat([words[None, :, None].expand(n * K, V, 1),
+                                  x.repeat(K, 1)[:, None, t + 1:t + m].expand(n * K, V, m - 1)],
+                                 2)  # (n*K, V, m): inputs w, x_t+1, ..., x_t+m-1
+                past = self._prefix(cache, t + 1)
+                logits, _ = self._forward(cand, t + 1, topics, past)  # (n*K, V, m, V+1)
+                tg = tgt[:, t + 1:t + 1 + m]  # (n*K, m)
+                suf = logits.gather(3, tg.clamp_min(0)[:, None, :, None].expand(-1, V, -1, 1))
+                suf = suf[..., 0] - logits.logsumexp(3)  # log-probs of the actual next tokens
+                lj = lj + (suf * (tg >= 0)[:, None]).sum(2)
+            lj = torch.logsumexp(lj.view(K, n, V), 0)  # mix topics (uniform prior)
+            out[:, t] = lj.softmax(-1)
+        return out
+
+    # ----- downstream task: the latent topic -----
+
+    @property
+    def tasks(self):
+        """One sentence-level task: "topic", the latent z the teacher conditioned on."""
+        return ["topic"]
+
+    def n_classes(self, task):
+        """"topic" is an n_topics-way classification."""
+        if task != "topic":
+            raise ValueError(f"TeacherLM: unknown task {task!r}; valid tasks: {self.tasks}")
+        return self.n_topics
+
+    def task_data(self, task, n, seed=0, label="posterior"):
+        """(tokens, lengths, labels [n]) for "topic": label = argmax_z Pr(z | x) (Bayes optimal,
+        default) or, with label="sampled", the topic the sentence was drawn with."""
+        self.n_classes(task)
+        if label not in ("posterior", "sampled"):
+            raise ValueError(f"TeacherLM: label must be 'posterior' or 'sampled'; got {label!r}")
+        tokens, lengths, topics = self.sample(n, seed=seed)
+        if label == "sampled":
+            return tokens, lengths, topics
+        return tokens, lengths, self.topic_posterior(tokens, lengths).argmax(1)
+
+
+class OPTTeacher(TeacherLM):
+    """Optional: a local OPT checkpoint as the teacher (the paper's OPT-125M set, App. A.1).
+
+    Needs the `transformers` package and the weights on disk (`path`: a directory written by
+    save_pretrained, e.g. a downloaded facebook/opt-125m); nothing is ever downloaded. The
+    vocabulary is OPT's top-k tokens (plus eos), read as the k most probable first tokens after
+    bos, the closest offline stand-in for the paper's "most frequent"; the teacher's logits are
+    restricted to them. No latent topic, hence no downstream task (the paper used GLUE's
+    SST-2/QNLI). Exact conditionals cost V * length^2 / 2 OPT token evaluations per sentence:
+    at the paper's k = 2000 a GPU job. Usage: OPTTeacher("path/to/opt-125m", top_k=2000).
+    """
+
+    def __init__(self, path, top_k=2000, length=24):
+        try:
+            import transformers
+        except ImportError:
+            raise ImportError("OPTTeacher needs the optional package transformers (pip install "
+                              "transformers); the default TeacherLM needs nothing") from None
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(path),
+                                                                      local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"OPTTeacher: no local model at {path!r} ({type(e).__name__}); "
+                             f"save one there first (this code never downloads)") from None
+        self.model = model.to(torch.float64).eval()
+        cfg = model.config
+        self.args = dict(path=str(path), top_k=int(top_k), length=int(length))
+        self.vocab_size, self.max_len, self.n_topics = int(top_k), int(length), 1
+        self.eos = self.bos = self.vocab_size
+        with torch.no_grad():
+            first = self.model(torch.tensor([[cfg.bos_token_id]])).logits[0, -1]
+        specials = [cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id]
+        first[[i for i in specials if i is not None]] = float("-inf")
+        if not 1 <= top_k <= int(torch.isfinite(first).sum()):
+            raise ValueError(f"OPTTeacher: top_k must be in 1..{int(torch.isfinite(first).sum())}")
+        ids = first.topk(int(top_k)).indices.sort().values  # our word w = OPT token ids[w]
+        self.out_ids = torch.cat([ids, torch.tensor([cfg.eos_token_id])])  # output V = eos
+        self.in_ids = torch.cat([ids, torch.tensor([cfg.bos_token_id])])  # input V = bos
+
+    def _forward(self, inputs, start, topics, past=None):
+        """TeacherLM._forward for OPT: the cache is the prefix's word ids (B, start), and each
+        candidate runs through OPT with its prefix (no key/value reuse)."""
+        B, C, m = inputs.shape
+        full = inputs
+        if past is not None and start > 0:
+            full = torch.cat([past[:, None].expand(B, C, -1), inputs], 2)
+        with torch.no_grad():
+            logits = self.model(self.in_ids[full.reshape(B * C, -1)]).logits[:, -m:]
+        logits = logits[..., self.out_ids].reshape(B, C, m, -1).to(torch.float64)
+        if start == 0:
+            logits[..., 0, self.eos] = float("-inf")
+        return logits, inputs[:, 0]
+
+    def _prefix(self, cache, P):
+        return cache[:, :P]
+
+    def _extend(self, past, new):
+        return torch.cat([past, new], 1)
+
+    @property
+    def tasks(self):
+        """None: the paper's OPT tasks (SST-2, QNLI) are real-text GLUE data."""
+        return []
+
+    def n_classes(self, task):
+        raise ValueError(f"OPTTeacher: unknown task {task!r}; it has no downstream task (the "
+                         f"paper's SST-2/QNLI are real-text data); use TeacherLM for 'topic'")
+
+
 # ------------------------------------------------------------------- generic: any language ---
 
 def language_from_spec(spec):
@@ -751,10 +1499,7 @@ def build_language(kind, seed=0, rules=None):
         raise SystemExit("--rules only applies to pcfg")
     if rules:
         return PCFG.from_rules(rules)
-    cls = {"pcfg": PCFG, "hmm": globals().get("HMM"), "teacher": globals().get("TeacherLM")}[kind]
-    if cls is None:
-        raise SystemExit(f"language kind {kind!r} is not available in this data.py")
-    return getattr(cls, "random", cls)(seed=seed)  # TeacherLM is built from its seed directly
+    return {"pcfg": PCFG, "hmm": HMM, "teacher": TeacherLM}[kind].random(seed=seed)
 
 
 def main(argv=None):
@@ -797,11 +1542,6 @@ def main(argv=None):
     torch.save(out, args.out)
     print(f"wrote {args.out} ({time.time() - t0:.1f} s)")
 
-
-try:  # TEMPORARY: merged into this file by the lead
-    from data_hmm_teacher import HMM, TeacherLM
-except ImportError:
-    pass
 
 if __name__ == "__main__":
     main()
