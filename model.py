@@ -199,7 +199,7 @@ class LSTM(nn.Module):
         keep = _keep_mask(tokens, self.config)
         x = self.drop(self.embed(tokens))  # (B, T, H)
         # No padding (fixed-length HMM sentences), or hessian.py's vmappable stand-in for nn.LSTM
-        # (it needs pad-free inputs; `or` keeps vmap away from the data-dependent test): no packing.
+        # (it applies the padding mask itself; `or` keeps vmap away from the data-dependent test).
         if not isinstance(self.lstm, nn.LSTM) or bool(keep.all()):
             return self.lstm(x)[0]
         lengths = keep.sum(1).cpu()  # padding is a suffix
