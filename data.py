@@ -490,11 +490,11 @@ class PCFG:
             raise ValueError(f"lengths must be in 1..{T} (the width of tokens); got values "
                              f"{lengths.min().item()}..{lengths.max().item()}")
         inside = torch.arange(T) < lengths[:, None]
-        bad = inside & ((tokens < 0) | (tokens >= self.vocab_size))
+        bad = inside & ((tokens < 0) | (tokens >= self.vocab_size)) & (tokens != mask_id(self.vocab_size))
         if bad.any():
             r, c = bad.nonzero()[0].tolist()
             raise ValueError(f"sentence {r}, position {c}: token {tokens[r, c].item()} is not a "
-                             f"word id 0..{self.vocab_size - 1} (mask/pad only beyond the length)")
+                             f"word id 0..{self.vocab_size - 1} or mask_id (pad only beyond the length)")
         return tokens.long(), lengths.long()
 
     def _inside(self, leaf):
@@ -558,10 +558,12 @@ class PCFG:
 
     def _leaf(self, tokens, lengths):
         """Scaled leaf scores [n, T, S+1] (zero beyond the length and in the pad column S) and
-        log c_t [n, T]."""
+        log c_t [n, T]. A mask_id word is unobserved: its leaf score Σ_w P(A -> w) sums it out."""
         T = tokens.shape[1]
         valid = torch.arange(T) < lengths[:, None]
         leaf = self.lexical.T[tokens.clamp(0, self.vocab_size - 1)]  # [n, T, S]
+        masked = (tokens == mask_id(self.vocab_size))[..., None]
+        leaf = torch.where(masked, self.lexical.sum(1), leaf)
         c = leaf.amax(-1)
         c = torch.where(valid & (c > 0), c, torch.ones_like(c))
         leaf = torch.where(valid[..., None], leaf / c[..., None], torch.zeros_like(leaf))
@@ -604,7 +606,8 @@ class PCFG:
         """Exact Pr(x_t = w | x_-t) [n, T, V] float64 for every position t < length (App. A.1):
         the outside score of the width-1 span at t (which does not involve x_t) times the
         lexical probabilities, normalised over w; one inside-outside pass per sentence, batched.
-        Zero at t >= length; tokens there are ignored."""
+        Zero at t >= length; tokens there are ignored. mask_id words elsewhere are summed out,
+        so a masked sentence gives the conditional of its masked position directly."""
         tokens, lengths = self._check_tokens(tokens, lengths)
         n, T = tokens.shape
         out = torch.zeros(n, T, self.vocab_size, dtype=torch.float64)

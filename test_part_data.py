@@ -86,6 +86,23 @@ def test_data_pcfg_log_prob_and_conditional_equal_brute_force():
         assert (cond[i, len(x):] == 0).all()
 
 
+def test_data_pcfg_mask_is_summed_out():
+    g = _data_tiny_pcfg()
+    tokens, lengths = _data_batch(_DATA_XS, 6, 3)
+    cond = g.mlm_conditional(tokens, lengths)
+    for i, x in enumerate(_DATA_XS):
+        for t in range(len(x)):
+            masked = tokens[i:i + 1].clone()
+            masked[0, t] = data.mask_id(3)
+            # the masked position's conditional never depends on x_t
+            assert torch.allclose(g.mlm_conditional(masked, lengths[i:i + 1])[0, t], cond[i, t],
+                                  atol=1e-12, rtol=0)
+            # log_prob of a masked sentence is the marginal over the hidden word
+            brute = sum(_data_brute_inside(g, x[:t] + [w] + x[t + 1:])[0] for w in range(3))
+            lp = g.log_prob(masked, lengths[i:i + 1])[0].item()
+            assert (brute == 0 and lp == -math.inf) or abs(lp - math.log(brute)) < 1e-10
+
+
 def test_data_pcfg_span_posterior_equals_brute_force():
     g = _data_tiny_pcfg()
     tokens, lengths = _data_batch(_DATA_XS, 6, 3)
