@@ -1,0 +1,664 @@
+"""Masked-LM pre-training into the saturation regime (paper §2.2-2.3, App. A.3-A.4, B.3).
+
+Trains a network from model.py on a language from data.py with the MLM loss of §2.1
+(one masked position per sentence by default, a 15% rate as an option, App. E), on fresh
+samples every step (the population loss of §3; `--pool N` trains on a fixed pool instead),
+with one of the paper's pre-training algorithms:
+
+  adamw        AdamW with the Izsak et al. (2021) recipe the paper follows (App. A.3): lr 1e-3
+               (pass --lr 1e-3; the default 1e-2 suits the tiny CPU default), warmup 6% of the
+               steps then linear decay (`--schedule const`: constant after the warmup, for
+               training far past convergence), betas (0.9, 0.98), eps 1e-6, weight decay 0.01
+               on weight matrices and embeddings, none on biases and LayerNorm.
+  sgd          plain SGD, warmup over 12% of the steps, then constant lr (App. B.3: 1e-3).
+  adversarial  AdamW on L_MLM(psi) - lambda * loss_D2(phi(psi)) (App. A.4): each step a linear
+               head phi is fitted in closed form (ridge regression) on the features of a subset
+               D1 of downstream training data and scored on a disjoint subset D2.
+  lookup       no training: writes a checkpoint of kind "lookup" whose "model" is the lookup
+               table of App. A.4 (contextual embedding = the true conditional from data.py).
+
+Every `--eval-every` steps the model is evaluated exactly on a fixed held-out set (App. A.4,
+"Evaluation of pre-training loss"): every position of every eval sentence is masked in turn,
+and with the true conditional p = Pr(. | x_-t) from data.py
+    eval_loss = E[-sum_w p(w) log q(w)],   entropy = E[H(p)],   kl = eval_loss - entropy,
+the expectation taken as in data.mlm_entropy (uniform position, then sentences). KL is the
+number that says whether a run is in the saturation regime.
+
+Run directory runs/NAME/: config.json, metrics.jsonl (one JSON object per line), ckpt_0000500.pt,
+... (every `--ckpt-every` steps and at the last step, written atomically; each a plain dict
+loadable with torch.load(weights_only=True): model config, weights, optimizer, step, RNG state,
+the language's spec and the arguments, so hessian.py and probe.py need nothing else).
+
+  python train.py                    # lstm-62k on hmm-small, 3000 steps: KL to the truth < 0.05
+  python train.py --lang pcfg --preset tf-2m --steps 5000 --name pcfg-tf2m
+  python train.py --name hmm-small-lstm-62k-adamw-s0 --resume       # continue a killed run
+  python train.py --algo lookup --lang pcfg --name pcfg-lookup        # the lookup-table baseline
+  torchrun --nproc_per_node=8 train.py --device cuda --compile --lr 1e-3 ...   # DDP on GPUs
+
+It prints one progress line per log row, e.g.
+  step    1500/3000 | loss 2.9150 | kl 0.0430 | lr 1.0e-02 |   39k tok/s | 4:35 elapsed, ETA 4:35
+Data order, masks and dropout are a function of (--seed, step, rank), so a resumed run
+continues bit-for-bit on CPU: its metrics equal those of an uninterrupted run.
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import data
+import model
+
+# ----------------------------------------------------------------------------- config ---
+
+# Named languages. `--lang` also accepts a JSON file holding a language's spec() (data.py).
+LANGUAGES = {
+    # the default: V=50, 20 states in 2 blocks, T=16 (the quick study of the issues; entropy ~2.9)
+    "hmm-small": lambda seed: data.HMM.random(n_states=20, vocab_size=50, n_blocks=2,
+                                              length=16, seed=seed),
+    "hmm": lambda seed: data.HMM.random(seed=seed),          # the paper's: 100 states, V=200
+    "pcfg": lambda seed: data.PCFG.random(seed=seed),        # the paper's: 50 symbols, V=200
+    "teacher": lambda seed: data.TeacherLM.random(seed=seed),  # stands in for OPT-generated text
+}
+
+ALGOS = ("adamw", "sgd", "adversarial", "lookup")
+WARMUP = {"adamw": 0.06, "adversarial": 0.06, "sgd": 0.12}     # App. A.3 / App. B.3
+SCHEDULE = {"adamw": "linear", "adversarial": "linear", "sgd": "const"}
+ADAMW = dict(betas=(0.9, 0.98), eps=1e-6)                        # Izsak et al. (2021)
+
+# Arguments that may differ when resuming: they change speed, never results (on CPU).
+RUNTIME_ARGS = {"resume", "threads", "device", "compile", "runs"}
+
+# Independent random streams, each a function of (seed, step, rank): see stream_seed().
+STREAMS = {"init": 1, "data": 2, "mask": 3, "dropout": 4, "pool": 5, "task": 6, "adv": 7,
+           "eval": 8}
+EVAL_SEED = 20230401  # the eval set depends on the language only, so runs are comparable
+
+
+# ------------------------------------------------------------------------ randomness ---
+
+def stream_seed(seed, stream, *keys):
+    """A 63-bit seed for random stream `stream` at (seed, *keys), e.g. (seed, step, rank).
+
+    Seeding every step's data, mask and dropout from the step number makes the run a pure
+    function of its arguments: resuming needs no sampler state, and ranks never collide."""
+    ss = np.random.SeedSequence([int(seed), STREAMS[stream], *[int(k) for k in keys]])
+    return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+def generator(seed, stream, *keys):
+    """A CPU torch.Generator for stream_seed(seed, stream, *keys)."""
+    return torch.Generator().manual_seed(stream_seed(seed, stream, *keys))
+
+
+# --------------------------------------------------------------------- language, data ---
+
+def make_language(name, seed):
+    """The language named `name` (LANGUAGES) or stored as a spec JSON file at path `name`."""
+    if name in LANGUAGES:
+        return LANGUAGES[name](seed)
+    if name.endswith(".json") and os.path.isfile(name):
+        with open(name) as f:
+            return data.language_from_spec(json.load(f))
+    raise SystemExit(f"train.py: unknown language {name!r}; choose one of "
+                     f"{', '.join(LANGUAGES)} or give a .json file holding a language spec()")
+
+
+def make_batch(lang, args, step, rank, n, pool=None):
+    """This rank's MLM batch at `step`: (inputs, targets [n, T]), targets -100 where nothing is
+    predicted. Sentences are fresh from the language, or drawn uniformly with replacement from
+    a fixed pool (tokens, lengths); one uniform mask per sentence (§2.1, the default) or a
+    `--mask-rate` fraction (App. E). A pure function of (args.seed, step, rank)."""
+    if pool is None:
+        tokens, lengths = lang.sentences(n, seed=stream_seed(args.seed, "data", step, rank))
+    else:
+        idx = torch.randint(pool[0].shape[0], (n,), generator=generator(args.seed, "data", step, rank))
+        tokens, lengths = pool[0][idx], pool[1][idx]
+    V, gen = lang.vocab_size, generator(args.seed, "mask", step, rank)
+    if args.mask_rate is not None:
+        return data.mask_rate(tokens, lengths, V, rate=args.mask_rate, generator=gen)
+    inputs, targets, positions = data.mask_one(tokens, lengths, V, generator=gen)
+    full = torch.full_like(tokens, -100)
+    full[torch.arange(n), positions] = targets
+    return inputs, full
+
+
+# ------------------------------------------------------------------------- objectives ---
+
+def mlm_log_probs(logits, V):
+    """log q(. | x_-t) over the V words (§2.1): the softmax skips the special tokens, so the
+    model's prediction and the true conditional live on the same simplex."""
+    return F.log_softmax(logits[..., :V].float(), dim=-1)
+
+
+def mlm_loss(logits, targets, V):
+    """Mean cross-entropy over predicted positions (targets != -100), paper §2.1."""
+    keep = targets != -100
+    return F.nll_loss(mlm_log_probs(logits[keep], V), targets[keep])
+
+
+def ridge_predict(X1, Y1, X2, alpha):
+    """Closed-form ridge head (App. A.4, after Liu et al. 2020): predictions X2 phi of
+    phi = argmin ||X1 phi - Y1||^2 + a ||phi||^2 with a = alpha * mean_i ||x1_i||^2 (so the
+    penalty does not depend on the features' scale), in the dual form
+    phi = X1^T (X1 X1^T + a I)^-1 Y1 (an n1 x n1 solve), differentiable in X1 and X2."""
+    dtype = torch.promote_types(X1.dtype, torch.float32)             # bf16 features -> float32
+    X1, Y1, X2 = X1.to(dtype), Y1.to(dtype), X2.to(dtype)
+    K = X1 @ X1.T                                                    # (n1, n1)
+    a = alpha * K.diagonal().mean()
+    A = torch.linalg.solve(K + a * torch.eye(K.shape[0], dtype=dtype, device=K.device), Y1)
+    return (X2 @ X1.T) @ A                                           # (n2, C)
+
+
+def adversarial_loss(feats, tokens, labels, n_classes, n1, alpha, pad):
+    """loss_D2 of App. A.4 from the features [n, T, d] of n = |D1| + |D2| downstream sentences:
+    the probe input is every position's features concatenated (zero at padding), as in the
+    linear probe; the ridge head is fitted on D1 (the first n1) with one-hot targets, and
+    scored by squared error on D2 (the rest), the loss ridge regression minimises."""
+    X = (feats * (tokens != pad)[..., None]).reshape(feats.shape[0], -1)   # (n, T*d)
+    Y = F.one_hot(labels, n_classes)
+    with torch.autocast(X.device.type, enabled=False):                  # solve in float32
+        pred = ridge_predict(X[:n1], Y[:n1], X[n1:], alpha)
+        return ((pred - Y[n1:].to(pred.dtype)) ** 2).sum(-1).mean()
+
+
+class Objective(nn.Module):
+    """The network plus what one step needs from it, in one forward, so DistributedDataParallel
+    sees a single forward and averages the gradient of the whole objective across ranks."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, inputs, task_tokens=None):
+        logits = self.net(inputs)
+        feats = None if task_tokens is None else self.net.features(task_tokens)
+        return logits, feats
+
+
+# ----------------------------------------------------------------------- optimisation ---
+
+def make_optimizer(net, args):
+    """AdamW (App. A.3: decay on weight matrices and embeddings, not on biases or LayerNorm,
+    as academic-budget-bert's no_decay list) or plain SGD (App. B.3)."""
+    if args.algo == "sgd":
+        return torch.optim.SGD(net.parameters(), lr=args.lr)
+    decay = [p for p in net.parameters() if p.dim() >= 2]
+    no_decay = [p for p in net.parameters() if p.dim() < 2]         # biases, LayerNorm gains
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, **ADAMW)
+
+
+def lr_at(i, args):
+    """Learning rate of update i (0-based): linear warmup over the first `warmup` fraction
+    of the steps, then linear decay to 0 ("linear") or constant ("const")."""
+    w = max(1, round(args.warmup * args.steps))
+    if i < w:
+        return args.lr * (i + 1) / w
+    if args.schedule == "const":
+        return args.lr
+    return args.lr * (args.steps - i) / max(1, args.steps - w)
+
+
+# ------------------------------------------------------------------------- evaluation ---
+
+def make_eval_set(lang, n):
+    """The fixed held-out set: n sentences (seeded by the language only), every position
+    masked in turn; with the true conditional p there and weights 1 / (n * length)."""
+    tokens, lengths = lang.sentences(n, seed=stream_seed(EVAL_SEED, "eval"))
+    cond = lang.mlm_conditional(tokens, lengths)                     # (n, T, V) float64
+    sent = torch.repeat_interleave(torch.arange(n), lengths)         # (N,) sentence of each row
+    pos = torch.cat([torch.arange(int(k)) for k in lengths])         # (N,) masked position
+    inputs = tokens[sent].clone()
+    inputs[torch.arange(len(sent)), pos] = data.mask_id(lang.vocab_size)
+    p = cond[sent, pos]                                              # (N, V)
+    plogp = torch.where(p > 0, p * p.clamp_min(1e-300).log(), torch.zeros_like(p))
+    return {"inputs": inputs, "pos": pos, "sent": sent, "p": p, "n": n,
+            "weight": 1.0 / (n * lengths[sent].double()), "row_entropy": -plogp.sum(-1)}
+
+
+@torch.no_grad()
+def evaluate(net, ev, V, device="cpu", batch=4096):
+    """Exact MLM loss, entropy and KL(truth || model) on the eval set (App. A.4); float32
+    forward (no autocast: bf16 rounding would swamp KLs of 1e-2), float64 sums."""
+    was_training = net.training
+    net.eval()
+    ce = torch.empty(len(ev["pos"]), dtype=torch.float64)
+    for s in range(0, len(ce), batch):
+        x = ev["inputs"][s:s + batch].to(device)
+        logq = mlm_log_probs(net(x), V)[torch.arange(x.shape[0]), ev["pos"][s:s + batch]]
+        p = ev["p"][s:s + batch]
+        ce[s:s + batch] = -torch.where(p > 0, p * logq.double().cpu(), torch.zeros_like(p)).sum(-1)
+    net.train(was_training)
+    w = ev["weight"]
+    kl_sent = torch.zeros(ev["n"], dtype=torch.float64).index_add_(
+        0, ev["sent"], w * (ce - ev["row_entropy"])) * ev["n"]    # per-sentence KL
+    loss, ent = float((w * ce).sum()), float((w * ev["row_entropy"]).sum())
+    return {"eval_loss": loss, "entropy": ent, "kl": loss - ent,
+            "kl_se": float(kl_sent.std() / math.sqrt(ev["n"]))}
+
+
+class LookupTable(nn.Module):
+    """The lookup-table "model" of App. A.4: the contextual embedding of a sentence at
+    position t is the true conditional Pr(. | x_-t) from data.py.
+
+    features(tokens) -> [B, T, V] float32; forward(tokens) -> its log (floored at 1e-30 so
+    padded rows stay finite), padded with log(1e-30) at the special tokens to vocab_size V + 2.
+    A masked position gets the conditional given the other words: exact for one mask per
+    sentence on every language, and for several where data.py marginalises masks (HMM)."""
+
+    def __init__(self, lang):
+        super().__init__()
+        self.lang, self.V = lang, lang.vocab_size
+        self.pad, self.vocab_size = data.pad_id(self.V), self.V + data.N_SPECIAL
+
+    def _conditional(self, tokens):
+        t = tokens.cpu()
+        lengths = (t != self.pad).sum(1)
+        try:  # languages that read mask_id as an unobserved word (marginalised): exact
+            return self.lang.mlm_conditional(t, lengths)            # (B, T, V) float64
+        except ValueError:
+            # others reject masks; the conditional at t ignores x_t, so fill the mask with a
+            # word (its left neighbour: positive probability where that matters, e.g. HMM blocks)
+            left = torch.cat([t[:, 1:2], t[:, :-1]], 1)
+            return self.lang.mlm_conditional(torch.where(t == data.mask_id(self.V), left, t), lengths)
+
+    def features(self, tokens):
+        return self._conditional(tokens).float().to(tokens.device)
+
+    def forward(self, tokens):
+        logp = self._conditional(tokens).clamp_min(1e-30).log()
+        logp = F.pad(logp, (0, data.N_SPECIAL), value=math.log(1e-30))
+        return logp.float().to(tokens.device)
+
+
+# ------------------------------------------------------------------------ checkpoints ---
+
+def ckpt_path(run_dir, step):
+    """runs/NAME/ckpt_{step:07d}.pt"""
+    return os.path.join(run_dir, f"ckpt_{step:07d}.pt")
+
+
+def list_checkpoints(run_dir):
+    """Checkpoint paths of a run directory, oldest first."""
+    if not os.path.isdir(run_dir):
+        return []
+    names = sorted(f for f in os.listdir(run_dir) if f.startswith("ckpt_") and f.endswith(".pt"))
+    return [os.path.join(run_dir, f) for f in names]
+
+
+def save_checkpoint(path, ckpt):
+    """torch.save to a temporary file, then rename: a crash never leaves half a checkpoint."""
+    tmp = path + ".tmp"
+    torch.save(ckpt, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, device="cpu"):
+    """(model, ckpt, lang) from a checkpoint file, with the model built, loaded and in eval
+    mode; for kind "lookup" the model is LookupTable(lang). Safe: weights_only=True."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path!r} (train.py writes runs/NAME/ckpt_*.pt)")
+    ckpt = torch.load(path, map_location=device, weights_only=True)
+    lang = data.language_from_spec(ckpt["language"])
+    if ckpt["kind"] == "lookup":
+        return LookupTable(lang), ckpt, lang
+    net = model.build(model.ModelConfig(**ckpt["model_config"]))
+    net.load_state_dict(ckpt["model"])
+    return net.to(device).eval(), ckpt, lang
+
+
+# ----------------------------------------------------------------------- the run itself ---
+
+def check_args(args):
+    """Fill algorithm defaults and reject impossible settings before anything is built."""
+    if args.warmup is None:
+        args.warmup = WARMUP.get(args.algo, 0.0)
+    if args.schedule is None:
+        args.schedule = SCHEDULE.get(args.algo, "const")
+    if args.name is None:
+        args.name = f"{os.path.splitext(os.path.basename(args.lang))[0]}-{args.preset}-{args.algo}-s{args.seed}"
+    bad = [f"--{k.replace('_', '-')} must be >= 1 (got {getattr(args, k)})" for k in
+           ("steps", "batch", "eval_n", "eval_every", "log_every", "ckpt_every", "threads")
+           if getattr(args, k) < 1]
+    if args.pool is not None and args.pool < 1:
+        bad.append(f"--pool must be >= 1 (got {args.pool})")
+    if args.mask_rate is not None and not 0 < args.mask_rate <= 1:
+        bad.append(f"--mask-rate must be in (0, 1] (got {args.mask_rate})")
+    if not 0 <= args.warmup < 1:
+        bad.append(f"--warmup is a fraction of --steps in [0, 1) (got {args.warmup})")
+    if not args.lr > 0:
+        bad.append(f"--lr must be > 0 (got {args.lr})")
+    if args.algo == "adversarial" and args.adv_n1 + args.adv_n2 > args.adv_pool:
+        bad.append(f"--adv-n1 + --adv-n2 ({args.adv_n1} + {args.adv_n2}) exceed --adv-pool "
+                   f"({args.adv_pool}): D1 and D2 must be disjoint subsets of it")
+    if args.algo == "adversarial" and min(args.adv_n1, args.adv_n2) < 2:
+        bad.append("--adv-n1 and --adv-n2 must be >= 2")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        bad.append("--device cuda asked for, but torch.cuda.is_available() is False")
+    if bad:
+        raise SystemExit("train.py: " + "; ".join(bad))
+
+
+def setup_distributed(args):
+    """(rank, world): DDP when launched by torchrun (WORLD_SIZE > 1), gloo on CPU, nccl on GPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if args.device.startswith("cuda"):
+        args.device = f"cuda:{local}"
+        torch.cuda.set_device(args.device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+    if args.batch % world:
+        raise SystemExit(f"train.py: global --batch {args.batch} is not divisible by the "
+                         f"{world} processes; pick a multiple of {world}")
+    return rank, world
+
+
+def build_model(args, lang):
+    """The network for this language: a preset from model.py with the language's sizes."""
+    V = lang.vocab_size
+    try:
+        cfg = model.config_from_preset(args.preset, vocab_size=V + data.N_SPECIAL,
+                                       pad_id=data.pad_id(V), max_len=lang.max_len)
+    except ValueError as e:
+        raise SystemExit(f"train.py: {e}")
+    torch.manual_seed(stream_seed(args.seed, "init"))                # same weights on every rank
+    return model.build(cfg)
+
+
+def resume_state(args, run_dir, lang, cfg):
+    """The checkpoint to resume from (None for a new run), checked against this run's
+    arguments, model config and language: any difference is an error, not a silent mix."""
+    ckpts = list_checkpoints(run_dir)
+    if args.resume is None:
+        if ckpts:
+            raise SystemExit(f"train.py: {run_dir} already holds checkpoints; pass --resume to "
+                             f"continue that run, or --name NEW for a new one")
+        return None
+    path = ckpts[-1] if args.resume == "latest" and ckpts else args.resume
+    if path == "latest":
+        raise SystemExit(f"train.py: --resume: no checkpoint in {run_dir} to resume from")
+    if not os.path.isfile(path):
+        raise SystemExit(f"train.py: --resume: no checkpoint file {path!r}")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    diff = [k for k in sorted(set(ckpt["args"]) | set(vars(args)))
+            if k not in RUNTIME_ARGS and ckpt["args"].get(k) != vars(args).get(k)]
+    if ckpt["language"] != lang.spec():
+        diff.append("language (its spec differs)")
+    if cfg is not None and ckpt.get("model_config") != dataclasses.asdict(cfg):
+        diff.append("model_config")
+    if diff:
+        shown = ", ".join(f"{k}: checkpoint {ckpt['args'].get(k)!r} vs now {vars(args).get(k)!r}"
+                          if k in ckpt["args"] or k in vars(args) else k for k in diff)
+        raise SystemExit(f"train.py: --resume {path}: the checkpoint comes from another "
+                         f"configuration ({shown}); resume with the same arguments")
+    return ckpt
+
+
+def truncate_metrics(path, step):
+    """Drop metric rows written after `step` (a killed run may have logged past its last
+    checkpoint), so a resumed run's metrics.jsonl equals an uninterrupted run's."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        rows = [r for r in f if r.strip() and json.loads(r)["step"] <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(rows)
+    os.replace(path + ".tmp", path)
+
+
+def fmt_time(s):
+    """Seconds as m:ss or h:mm:ss."""
+    s = int(s)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def write_lookup(args, lang, run_dir):
+    """App. A.4's lookup table: one checkpoint of kind "lookup", and its eval row. The table
+    outputs the true conditional, so its loss is the entropy and its KL 0 (the tests check the
+    table against data.py; not re-run here: the teacher's conditionals cost minutes)."""
+    ev = make_eval_set(lang, args.eval_n)
+    entropy = float((ev["weight"] * ev["row_entropy"]).sum())
+    row = {"step": 0, "loss": None, "lr": 0.0, "tokens_per_s": 0.0, "wall": 0.0,
+           "eval_loss": entropy, "entropy": entropy, "kl": 0.0, "kl_se": 0.0}
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    path = ckpt_path(run_dir, 0)
+    save_checkpoint(path, {"kind": "lookup", "model": {}, "optimizer": {}, "step": 0, "rng": {},
+                           "language": lang.spec(), "args": vars(args)})
+    print(f"lookup table: eval_loss = entropy = {entropy:.4f} nats (kl 0); wrote {path}")
+
+
+def train(args):
+    """Run one training job as the arguments say (see the module docstring)."""
+    check_args(args)
+    torch.set_num_threads(args.threads)
+    lang = make_language(args.lang, args.lang_seed)
+    V, pad = lang.vocab_size, data.pad_id(lang.vocab_size)
+    if args.algo == "adversarial":
+        args.task = args.task if args.task is not None else lang.tasks[0]
+        try:
+            lang.n_classes(args.task)                                # ValueError: unknown task
+        except ValueError as e:
+            raise SystemExit(f"train.py: unknown --task {args.task!r} for this language: {e}")
+    rank, world = setup_distributed(args)
+    run_dir = os.path.join(args.runs, args.name)
+    net = build_model(args, lang) if args.algo != "lookup" else None
+    cfg = net.config if net is not None else None
+    ckpt = resume_state(args, run_dir, lang, cfg)
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump({"args": vars(args), "language": lang.spec(),
+                       "model_config": None if cfg is None else dataclasses.asdict(cfg),
+                       "n_params": 0 if net is None else sum(p.numel() for p in net.parameters())},
+                      f, indent=1)
+    if args.algo == "lookup":
+        if rank == 0 and ckpt is None:   # resuming a lookup run: it is already complete
+            write_lookup(args, lang, run_dir)
+        return run_dir
+
+    device = torch.device(args.device)
+    net.to(device)
+    opt = make_optimizer(net, args)
+    step, wall0, window = 0, 0.0, [0.0, 0, 0.0]       # window: loss sum, updates, adv-loss sum
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if ckpt is not None:
+        net.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        step, wall0, window = ckpt["step"], ckpt["wall"], list(ckpt["window"])
+        if rank == 0:
+            truncate_metrics(metrics_path, step)
+            print(f"resumed {run_dir} at step {step}")
+    objective = Objective(net)
+    if args.compile:
+        objective = torch.compile(objective)
+    if world > 1:
+        objective = nn.parallel.DistributedDataParallel(
+            objective, device_ids=[device.index] if device.type == "cuda" else None)
+    per_rank = args.batch // world
+    pool = None if args.pool is None else lang.sentences(args.pool, seed=stream_seed(args.seed, "pool"))
+    if args.algo == "adversarial":
+        task_tokens, _, task_labels = lang.task_data(args.task, args.adv_pool,
+                                                     seed=stream_seed(args.seed, "task"))
+        n_classes = lang.n_classes(args.task)
+    ev = make_eval_set(lang, args.eval_n) if rank == 0 else None
+    if rank == 0:
+        n_params = sum(p.numel() for p in net.parameters())
+        print(f"{run_dir}: {args.preset} ({n_params:,} params, {cfg.arch}) on {args.lang} "
+              f"(V={V}, T={lang.max_len}), {args.algo}, global batch {args.batch} over {world} proc, "
+              f"{args.steps} steps; eval entropy {float((ev['weight'] * ev['row_entropy']).sum()):.4f} nats")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def checkpoint(step):
+        if rank == 0:
+            save_checkpoint(ckpt_path(run_dir, step), {
+                "kind": "mlm", "model_config": dataclasses.asdict(cfg), "model": net.state_dict(),
+                "optimizer": opt.state_dict(), "step": step, "wall": wall0 + time.time() - t_start,
+                "window": list(window),
+                "rng": {"torch": torch.get_rng_state(), "seed": args.seed},
+                "language": lang.spec(), "args": vars(args)})
+
+    # wall: seconds since the run began (resumes add up), evaluations included; tokens/s: of
+    # the training steps since the last row only
+    t_window, tokens_window, t_start, start_step = time.time(), 0, time.time(), step
+    # Ctrl-C and `kill` (SIGTERM, e.g. a scheduler's preemption) only raise a flag, checked
+    # between updates, so the checkpoint written on the way out holds whole updates; a second
+    # Ctrl-C stops at once.
+    stop = []
+
+    def on_signal(signum, frame):
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(signum)
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+                    } if main_thread else {}
+    try:
+        while step < args.steps:
+            if stop:
+                raise KeyboardInterrupt
+            # ---- one update: this rank's slice of the global batch, fresh (or pooled) data
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, args)
+            torch.manual_seed(stream_seed(args.seed, "dropout", step, rank))
+            inputs, targets = make_batch(lang, args, step, rank, per_rank, pool)
+            task_batch = None
+            if args.algo == "adversarial":
+                idx = torch.randperm(args.adv_pool, generator=generator(args.seed, "adv", step, rank))
+                idx = idx[:args.adv_n1 + args.adv_n2]               # D1 = first n1, D2 = the rest
+                task_batch = task_tokens[idx].to(device)
+            with autocast:
+                logits, feats = objective(inputs.to(device), task_batch)
+                loss = mlm_loss(logits, targets.to(device), V)
+                total = loss
+                if feats is not None:
+                    adv = adversarial_loss(feats, task_batch, task_labels[idx].to(device),
+                                           n_classes, args.adv_n1, args.adv_alpha, pad)
+                    total = loss - args.adv_lambda * adv
+            loss_value = loss.item()
+            if not math.isfinite(loss_value) or not math.isfinite(total.item()):
+                last = list_checkpoints(run_dir)
+                raise SystemExit(f"train.py: loss is {loss_value} at step {step + 1}; stopped "
+                                 f"before the update. The last good checkpoint is "
+                                 f"{last[-1] if last else '(none yet)'}; try a lower --lr")
+            opt.zero_grad(set_to_none=True)
+            total.backward()
+            opt.step()
+            step += 1
+            window[0] += loss_value
+            window[1] += 1
+            window[2] += 0.0 if task_batch is None else adv.item()
+            tokens_window += args.batch * lang.max_len
+
+            # ---- log, evaluate, checkpoint
+            is_ckpt = step % args.ckpt_every == 0 or step == args.steps
+            is_eval = step % args.eval_every == 0 or is_ckpt
+            if not (is_eval or step % args.log_every == 0):
+                continue
+            now = time.time()
+            sums = torch.tensor(window, dtype=torch.float64)
+            if world > 1:
+                dist.all_reduce(sums)
+                sums /= world
+            row = {"step": step, "loss": float(sums[0] / sums[1]), "lr": lr_at(step - 1, args),
+                   "tokens_per_s": tokens_window / (now - t_window), "wall": wall0 + now - t_start}
+            if args.algo == "adversarial":
+                row["adv_loss"] = float(sums[2] / sums[1])
+            window = [0.0, 0, 0.0]
+            if rank == 0:
+                if is_eval:
+                    row.update(evaluate(net, ev, V, device))
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                eta = (now - t_start) / (step - start_step) * (args.steps - step)
+                kl = f" | kl {row['kl']:.4f}" if "kl" in row else ""
+                kl += f" | adv_loss {row['adv_loss']:.4f}" if "adv_loss" in row else ""
+                print(f"step {step:7d}/{args.steps} | loss {row['loss']:.4f}{kl} | lr {row['lr']:.1e}"
+                      f" | {row['tokens_per_s'] / 1e3:5.0f}k tok/s | {fmt_time(row['wall'])} "
+                      f"elapsed, ETA {fmt_time(eta)}", flush=True)
+            if is_ckpt:
+                checkpoint(step)
+            t_window, tokens_window = time.time(), 0
+    except KeyboardInterrupt:
+        # Lose nothing beyond the last completed update
+        if rank == 0 and not os.path.isfile(ckpt_path(run_dir, step)):
+            checkpoint(step)
+        raise SystemExit(f"train.py: interrupted after step {step}; wrote {ckpt_path(run_dir, step)}; "
+                         f"continue with the same arguments plus --resume")
+    finally:
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+    return run_dir
+
+
+# ------------------------------------------------------------------------------ CLI ---
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--lang", default="hmm-small", help=f"language: one of {', '.join(LANGUAGES)}, or a .json "
+      "file holding a data.py spec() (default hmm-small: V=50, 20 states, T=16)")
+    a("--lang-seed", type=int, default=0, help="seed of the random language (default 0)")
+    a("--preset", default="lstm-62k", help=f"model size preset: {', '.join(model.PRESETS)} "
+      "(default lstm-62k, the tiny CPU LSTM)")
+    a("--algo", default="adamw", choices=ALGOS, help="pre-training algorithm (default adamw; see above)")
+    a("--steps", type=int, default=3000, help="number of updates (default 3000); fixed for a run "
+      "(the schedule depends on it): to train far past convergence pick it large, --schedule const")
+    a("--batch", type=int, default=256, help="global batch in sentences, split over processes")
+    a("--lr", type=float, default=1e-2, help="peak learning rate (default 1e-2, tuned for the "
+      "default tiny CPU model; the paper's 1e-3 (AdamW, SGD) is for its 2M-730M models)")
+    a("--warmup", type=float, default=None,
+      help="warmup as a fraction of --steps (default 0.06 adamw/adversarial, 0.12 sgd)")
+    a("--schedule", choices=("linear", "const"), default=None,
+      help="after warmup: linear decay to 0, or constant (default linear; const for sgd)")
+    a("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
+    a("--mask-rate", type=float, default=None,
+      help="mask this fraction of tokens (App. E: 0.15) instead of one per sentence")
+    a("--pool", type=int, default=None, help="train on a fixed pool of N sentences "
+      "(uniform draws with replacement) instead of fresh samples every step")
+    a("--task", default=None, help="adversarial: downstream task (default: the language's first)")
+    a("--adv-lambda", type=float, default=1.0, help="adversarial: weight lambda of -loss_D2")
+    a("--adv-alpha", type=float, default=1.0,
+      help="adversarial: ridge penalty relative to the mean squared feature norm")
+    a("--adv-pool", type=int, default=4096, help="adversarial: downstream training set size")
+    a("--adv-n1", type=int, default=256, help="adversarial: |D1| (head fitted on it) per step")
+    a("--adv-n2", type=int, default=256, help="adversarial: |D2| (head scored on it) per step")
+    a("--seed", type=int, default=0, help="training seed: init, data order, masks, dropout")
+    a("--eval-n", type=int, default=1000, help="eval sentences (each masked at every position)")
+    a("--eval-every", type=int, default=250, help="evaluate exactly every k steps")
+    a("--log-every", type=int, default=50, help="write a training metrics row every k steps")
+    a("--ckpt-every", type=int, default=500, help="checkpoint every k steps (and at the last)")
+    a("--name", default=None, help="run name: runs/NAME/ (default LANG-PRESET-ALGO-sSEED)")
+    a("--runs", default="runs", help="parent folder of run directories (default runs/)")
+    a("--resume", nargs="?", const="latest", default=None,
+      help="continue runs/NAME from its latest checkpoint (or from the checkpoint file given)")
+    a("--device", default="cpu", help="cpu (default) or cuda (bf16 autocast)")
+    a("--compile", action="store_true", help="torch.compile the model (GPU runs)")
+    a("--threads", type=int, default=1, help="torch threads per process (default 1: measured "
+      "faster and steadier than 2 on a 2-core machine, see README)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    train(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
