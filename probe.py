@@ -445,7 +445,11 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=None, help=f"training epochs (default {LINEAR_EPOCHS} linear, {FT_EPOCHS} fine-tuning)")
     p.add_argument("--task-file", default=None, help="use a dataset written by `data.py --out` instead of sampling the task")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, like train.py's --threads)")
     args = p.parse_args(argv)
+    if args.threads < 1:
+        p.error(f"--threads must be >= 1 (got {args.threads})")
+    torch.set_num_threads(args.threads)
 
     if args.summary:
         try:

@@ -208,3 +208,20 @@ def test_probe_finetune_learns_first_token_task():
                          seed=0, epochs=4, lr=1e-3)
     assert acc >= 0.95, acc
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())   # the checkpoint's model is untouched
+
+
+def test_probe_threads_flag(tmp_path, capsys):
+    ckpt = _probe_lookup_ckpt(tmp_path, _probe_tiny_hmm())
+    argv = [ckpt, "--task", "3", "--n-train", "20", "--n-test", "10", "--seeds", "1", "--epochs", "1",
+            "--device", "cpu"]
+    try:
+        probe.main(argv + ["--threads", "2"])
+        assert torch.get_num_threads() == 2
+        probe.main(argv)                                           # default: 1, like train.py
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(1)
+    assert len(probe.read_jsonl(str(tmp_path / "probe.jsonl"))) == 2
+    with pytest.raises(SystemExit):
+        probe.main(argv + ["--threads", "0"])
+    assert "--threads must be >= 1 (got 0)" in capsys.readouterr().err

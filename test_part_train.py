@@ -1,6 +1,8 @@
 """Tests of train.py (issue 3): training approaches the entropy, exact resume, DDP gradients,
-the adversarial ridge head, the lookup table, safe checkpoints and input errors.
+the adversarial ridge head, the lookup table, safe checkpoints and input errors, model-size
+overrides and --grow-from.
 Run: python -m pytest -q test_part_train.py   (about 30 s on one thread)"""
+import dataclasses
 import json
 import math
 import os
@@ -10,7 +12,9 @@ import torch
 import torch.multiprocessing as mp
 
 import data
+import hessian
 import model
+import probe
 import train
 
 torch.set_num_threads(1)
@@ -147,7 +151,7 @@ def test_train_adversarial_runs_and_reports_kl(tmp_path):
                                                  name="adv2")))
 
 
-def test_train_lookup_table_is_exact(tmp_path):
+def test_train_lookup_table_is_exact(tmp_path, monkeypatch):
     lang = train.make_language(_train_tiny_lang(tmp_path), 0)
     tokens, lengths = lang.sentences(50, seed=3)
     truth = lang.mlm_conditional(tokens, lengths)
@@ -160,9 +164,46 @@ def test_train_lookup_table_is_exact(tmp_path):
     run = train.train(train.parse_args(_train_args(tmp_path, "--algo", "lookup", name="lookup")))
     net, ckpt, lang2 = train.load_checkpoint(os.path.join(run, "ckpt_0000000.pt"))
     assert ckpt["kind"] == "lookup" and isinstance(net, train.LookupTable)
-    ev = train.make_eval_set(lang2, 100)   # the row's claim (KL 0) holds for the table itself
-    assert _train_rows(run)[0]["kl"] == 0 and abs(train.evaluate(net, ev, 10)["kl"]) < 1e-6
+    # the eval row is evaluate() of the table on the masked eval inputs: KL ~1e-15 (float64)
+    ev = train.make_eval_set(lang2, 100)
+    row, again = _train_rows(run)[0], train.evaluate(net, ev, 10)
+    assert all(row[k] == again[k] for k in ("eval_loss", "entropy", "kl")) and row["eval_n"] == 100
+    assert abs(row["kl"]) < 1e-12 and row["eval_loss"] == pytest.approx(row["entropy"], abs=1e-12)
     torch.testing.assert_close(net.features(tokens), truth.float(), rtol=0, atol=1e-7)
+    # ... and really computed: a table that predicts uniformly gets KL = log V - entropy
+    monkeypatch.setattr(train.LookupTable, "forward", lambda self, x: torch.zeros(*x.shape, 12))
+    run = train.train(train.parse_args(_train_args(tmp_path, "--algo", "lookup", name="uniform")))
+    row = _train_rows(run)[0]
+    assert row["kl"] == pytest.approx(math.log(10) - row["entropy"], abs=1e-6) and row["kl"] > 0.1
+
+
+def test_train_lookup_table_masked_pcfg_and_teacher():
+    """The PCFG sums out mask_id words (data.py), so the table reads masked sentences as they
+    are, two masks included (oracle: brute-force sums of log_prob over both masked words); the
+    teacher rejects masks and the table fills them: exact at the masked position."""
+    pcfg = data.PCFG.random(n_symbols=8, vocab_size=6, n_levels=3, rules_per_symbol=3, max_len=8, seed=0)
+    tokens, lengths = pcfg.sentences(40, seed=1)
+    keep = lengths >= 2
+    tokens, lengths = tokens[keep][:12], lengths[keep][:12]
+    n, V, g = len(lengths), pcfg.vocab_size, torch.Generator().manual_seed(2)
+    t, s = torch.stack([torch.randperm(int(k), generator=g)[:2] for k in lengths]).T   # 2 masks
+    inputs = tokens.clone()
+    inputs[torch.arange(n), t] = inputs[torch.arange(n), s] = data.mask_id(V)
+    logq = train.mlm_log_probs(train.LookupTable(pcfg)(inputs), V)[torch.arange(n), t]  # (n, V)
+    assert logq.dtype == torch.float64
+    w, u = torch.meshgrid(torch.arange(V), torch.arange(V), indexing="ij")            # (V, V)
+    filled = tokens[:, None, None].repeat(1, V, V, 1)                                 # (n, V, V, T)
+    filled[torch.arange(n), :, :, t] = w
+    filled[torch.arange(n), :, :, s] = u
+    joint = pcfg.log_prob(filled.flatten(0, 2), lengths.repeat_interleave(V * V)).exp().view(n, V, V)
+    truth = joint.sum(2) / joint.sum((1, 2))[:, None]                                 # Pr(x_t | rest)
+    torch.testing.assert_close(logq.exp(), truth, rtol=0, atol=1e-12)
+    teacher = data.TeacherLM(vocab_size=5, length=5, d_model=8, n_heads=2, seed=0)
+    tokens, lengths = teacher.sentences(10, seed=1)
+    inputs, _, pos = data.mask_one(tokens, lengths, 5, torch.Generator().manual_seed(0))
+    logq = train.mlm_log_probs(train.LookupTable(teacher)(inputs), 5)[torch.arange(10), pos]
+    truth = teacher.mlm_conditional(tokens, lengths)[torch.arange(10), pos]
+    torch.testing.assert_close(logq.exp(), truth, rtol=0, atol=1e-12)
 
 
 def test_train_checkpoint_is_safe_and_complete(tmp_path):
@@ -216,3 +257,101 @@ def test_train_bad_input_errors(tmp_path, monkeypatch):
     assert sorted(f for f in os.listdir(os.path.join(tmp_path, "nan")) if f.endswith(".pt")) == [
         "ckpt_0000005.pt"]
     assert torch.load(os.path.join(tmp_path, "nan", "ckpt_0000005.pt"), weights_only=True)["step"] == 5
+
+
+def test_train_model_size_overrides(tmp_path):
+    """--n-layers / --n-heads / --lstm-hidden replace the preset's fields (the size sweeps of
+    Figs. 2, 5), are stored and compared on --resume, and bad values stop before training."""
+    run = train.train(train.parse_args(_train_args(tmp_path, "--lstm-hidden", 8, "--n-layers", 1,
+                                                   "--steps", 2, "--eval-every", 2, name=None)[:-2]))
+    assert os.path.basename(run) == "tiny_hmm-lstm-62k-l1-h8-adamw-s0"
+    ckpt = torch.load(os.path.join(run, "ckpt_0000002.pt"), weights_only=True)
+    expect = model.config_from_preset("lstm-62k", vocab_size=12, pad_id=11, max_len=6,
+                                      lstm_hidden=8, n_layers=1)
+    assert ckpt["model_config"] == dataclasses.asdict(expect)
+    assert ckpt["args"]["lstm_hidden"] == 8 and ckpt["args"]["n_heads"] is None
+    with open(os.path.join(run, "config.json")) as f:
+        assert json.load(f)["n_params"] == model.n_params(model.build(expect))
+    tf = train.build_model(train.parse_args(["--preset", "tf-2m", "--n-heads", "2", "--n-layers", "1"]),
+                           train.make_language(_train_tiny_lang(tmp_path), 0))
+    assert (tf.config.n_heads, tf.config.n_layers, tf.config.d) == (2, 1, 128)
+
+    def fails(match, *extra, name="bad"):
+        with pytest.raises(SystemExit, match=match):
+            train.train(train.parse_args(_train_args(tmp_path, *extra, name=name)))
+    fails("another configuration.*lstm_hidden: checkpoint 8 vs now 16", "--lstm-hidden", 16,
+          "--n-layers", 1, "--steps", 2, "--resume", name=os.path.basename(run))
+    assert train.list_checkpoints(run) == [os.path.join(run, "ckpt_0000002.pt")]
+    fails("--n-layers must be an integer >= 1", "--n-layers", 0)
+    fails("--n-heads does not apply to preset 'lstm-62k', a lstm", "--n-heads", 2)
+    fails("--lstm-hidden does not apply", "--preset", "tf-2m", "--lstm-hidden", 8)
+    assert not os.path.exists(os.path.join(tmp_path, "bad"))          # stopped before writing
+
+
+def _train_source(tmp_path, name, *extra):
+    """A 2-step source run; returns its checkpoint."""
+    run = train.train(train.parse_args(_train_args(tmp_path, "--steps", 2, "--eval-every", 2,
+                                                   *extra, name=name)))
+    return os.path.join(run, "ckpt_0000002.pt")
+
+
+def test_train_grow_from_writes_exact_step_0_and_trains_on(tmp_path, monkeypatch):
+    """--grow-from (App. B.1.3): step 0 of the new run is the grown source, with the source's
+    eval KL; it loads in hessian.py and probe.py; training on resumes bit-for-bit."""
+    for src, extra, width, layers in [
+            (_train_source(tmp_path, "lstm", "--lstm-hidden", 8, "--n-layers", 1), (), 2, 0),
+            (_train_source(tmp_path, "tf", "--preset", "tf-2m", "--n-layers", 1),
+             ("--grow-width", 1, "--grow-layers", 1), 1, 1)]:
+        grow = ["--grow-from", src, *extra, "--batch", 32, "--eval-n", 100, "--runs", tmp_path]
+        run = train.train(train.parse_args(list(map(str, grow + ["--steps", 0]))))
+        assert os.path.basename(run) == f"{os.path.basename(os.path.dirname(src))}-ckpt_0000002-grow-w{width}-l{layers}"
+        assert train.list_checkpoints(run) == [os.path.join(run, "ckpt_0000000.pt")]
+        small, source, lang = train.load_checkpoint(src)
+        big, ckpt, lang2 = train.load_checkpoint(os.path.join(run, "ckpt_0000000.pt"))
+        assert set(ckpt) == set(source) and ckpt["step"] == 0 and ckpt["kind"] == "mlm"
+        assert ckpt["language"] == source["language"] and ckpt["args"]["grow_from"] == src
+        assert ckpt["model_config"] == dataclasses.asdict(model.grow(small, width, layers).config)
+        ev = train.make_eval_set(lang, 100)
+        row, kl_small = _train_rows(run)[0], train.evaluate(small, ev, 10)["kl"]
+        assert row["step"] == 0 and abs(row["kl"] - kl_small) < 1e-6, (row, kl_small)
+        assert row["kl"] == train.evaluate(big, ev, 10)["kl"]
+    # the grown LSTM loads where hessian.py and probe.py load checkpoints
+    path = os.path.join(tmp_path, "lstm-ckpt_0000002-grow-w2-l0", "ckpt_0000000.pt")
+    hessian.main([path, "--sentences", "8", "--samples", "2", "--repeats", "2", "--hvp-sentences", "4",
+                  "--eig-iters", "2"])
+    with open(os.path.join(os.path.dirname(path), "hessian.jsonl")) as f:
+        assert math.isfinite(json.loads(f.readline())["trace"])
+    row = probe.probe_checkpoint(path, "3", n_train=20, n_test=10, n_seeds=1, epochs=1)
+    assert row["step"] == 0 and 0 <= row["acc"] <= 1
+    # training on from step 0 (fresh optimizer): interrupted at once, resumed == uninterrupted
+    src = os.path.join(tmp_path, "lstm", "ckpt_0000002.pt")
+    common = ["--grow-from", src, "--batch", "32", "--eval-n", "100", "--runs", str(tmp_path),
+              "--steps", "4", "--eval-every", "2"]
+    full = train.train(train.parse_args(common + ["--name", "full"]))
+    assert [r["step"] for r in _train_rows(full) if "kl" in r] == [0, 2, 4]
+    real_lr_at = train.lr_at
+    monkeypatch.setattr(train, "lr_at", lambda i, args: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(SystemExit, match="interrupted after step 0"):
+        train.train(train.parse_args(common + ["--name", "cut"]))
+    monkeypatch.setattr(train, "lr_at", real_lr_at)
+    cut = train.train(train.parse_args(common + ["--name", "cut", "--resume"]))
+    assert _train_rows(cut) == _train_rows(full)
+
+
+def test_train_grow_from_errors(tmp_path):
+    src = _train_source(tmp_path, "src", "--lstm-hidden", 8, "--n-layers", 1)
+    for argv, match in [(["--grow-width", "3"], None), (["--grow-from", src, "--preset", "tf-2m"], None),
+                        (["--grow-from", src, "--lang", "pcfg"], None)]:
+        with pytest.raises(SystemExit):                               # argparse: usage + message
+            train.parse_args(argv + ["--runs", str(tmp_path)])
+    for extra, match in [(["--grow-layers", "1"], "not supported for an LSTM"),
+                         (["--grow-width", "0"], "--grow-width must be >= 1"),
+                         (["--algo", "lookup"], "--algo lookup has none")]:
+        with pytest.raises(SystemExit, match=match):
+            train.train(train.parse_args(["--grow-from", src, "--runs", str(tmp_path), *extra]))
+    with pytest.raises(SystemExit, match="no checkpoint file"):
+        train.train(train.parse_args(["--grow-from", src + "x", "--runs", str(tmp_path)]))
+    lookup = train.train(train.parse_args(_train_args(tmp_path, "--algo", "lookup", name="lk")))
+    with pytest.raises(SystemExit, match="'lookup' checkpoint has no network"):
+        train.train(train.parse_args(["--grow-from", os.path.join(lookup, "ckpt_0000000.pt"),
+                                      "--runs", str(tmp_path)]))

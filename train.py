@@ -15,7 +15,13 @@ with one of the paper's pre-training algorithms:
                head phi is fitted in closed form (ridge regression) on the features of a subset
                D1 of downstream training data and scored on a disjoint subset D2.
   lookup       no training: writes a checkpoint of kind "lookup" whose "model" is the lookup
-               table of App. A.4 (contextual embedding = the true conditional from data.py).
+               table of App. A.4 (contextual embedding = the true conditional from data.py),
+               and its eval row, computed like any model's (KL ~1e-15).
+
+`--grow-from CKPT` starts a run from model.grow(CKPT's model) (App. B.1: a larger model with
+the same function): step 0 of the new run is the grown model, checkpointed with its exact eval
+row (equal to the source's KL), then it trains for --steps with a fresh optimizer (0: stop
+there). hessian.py and probe.py read its checkpoints like any other (App. B.1.3).
 
 Every `--eval-every` steps the model is evaluated exactly on a fixed held-out set (App. A.4,
 "Evaluation of pre-training loss"): every position of every eval sentence is masked in turn,
@@ -33,6 +39,8 @@ the language's spec and the arguments, so hessian.py and probe.py need nothing e
   python train.py --lang pcfg --preset tf-2m --steps 5000 --name pcfg-tf2m
   python train.py --name hmm-small-lstm-62k-adamw-s0 --resume       # continue a killed run
   python train.py --algo lookup --lang pcfg --name pcfg-lookup        # the lookup-table baseline
+  python train.py --lstm-hidden 64 --name h64     # preset with fields replaced: size sweeps (Figs. 2, 5)
+  python train.py --grow-from runs/h32/ckpt_0003000.pt --grow-width 2 --steps 0   # App. B.1.3
   torchrun --nproc_per_node=8 train.py --device cuda --compile --lr 1e-3 ...   # DDP on GPUs
 
 It prints one progress line per log row, e.g.
@@ -75,6 +83,11 @@ WARMUP = {"adamw": 0.06, "adversarial": 0.06, "sgd": 0.12}     # App. A.3 / App.
 SCHEDULE = {"adamw": "linear", "adversarial": "linear", "sgd": "const"}
 ADAMW = dict(betas=(0.9, 0.98), eps=1e-6)                        # Izsak et al. (2021)
 
+# ModelConfig fields that --n-layers, --n-heads, --lstm-hidden override (and their tag in the
+# default run name); the fields one architecture ignores, so overriding them is an error.
+SIZE_OVERRIDES = {"n_layers": "l", "n_heads": "nh", "lstm_hidden": "h"}
+SIZE_FIELDS_OF_OTHER_ARCH = {"transformer": {"lstm_hidden"}, "lstm": {"n_heads"}}
+
 # Arguments that may differ when resuming: they change speed, never results (on CPU).
 RUNTIME_ARGS = {"resume", "threads", "device", "compile", "runs"}
 
@@ -82,6 +95,7 @@ RUNTIME_ARGS = {"resume", "threads", "device", "compile", "runs"}
 STREAMS = {"init": 1, "data": 2, "mask": 3, "dropout": 4, "pool": 5, "task": 6, "adv": 7,
            "eval": 8}
 EVAL_SEED = 20230401  # the eval set depends on the language only, so runs are comparable
+LOOKUP_TEACHER_EVAL_N = 5  # eval sentences for the teacher's lookup table (~1 min: write_lookup)
 
 
 # ------------------------------------------------------------------------ randomness ---
@@ -136,8 +150,10 @@ def make_batch(lang, args, step, rank, n, pool=None):
 
 def mlm_log_probs(logits, V):
     """log q(. | x_-t) over the V words (§2.1): the softmax skips the special tokens, so the
-    model's prediction and the true conditional live on the same simplex."""
-    return F.log_softmax(logits[..., :V].float(), dim=-1)
+    model's prediction and the true conditional live on the same simplex. In float32 at least
+    (bf16 logits are promoted); float64 logits (the lookup table's) stay float64."""
+    logits = logits[..., :V]
+    return F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
 
 
 def mlm_loss(logits, targets, V):
@@ -252,10 +268,13 @@ class LookupTable(nn.Module):
     """The lookup-table "model" of App. A.4: the contextual embedding of a sentence at
     position t is the true conditional Pr(. | x_-t) from data.py.
 
-    features(tokens) -> [B, T, V] float32; forward(tokens) -> its log (floored at 1e-30 so
-    padded rows stay finite), padded with log(1e-30) at the special tokens to vocab_size V + 2.
-    A masked position gets the conditional given the other words: exact for one mask per
-    sentence on every language, and for several where data.py marginalises masks (HMM)."""
+    features(tokens) -> [B, T, V] float32; forward(tokens) -> its log in float64 (floored at
+    1e-30 so padded rows stay finite), padded with log(1e-30) at the special tokens to
+    vocab_size V + 2, so evaluate() scores the table like any model, to ~1e-15. Masked inputs:
+    the PCFG and the HMM sum out mask_id words (data.py), so their conditionals are exact for
+    any number of masks per sentence. The teacher rejects masks (marginalising costs V times
+    more), so there a mask is filled with word 0 first: exact AT the masked positions (the
+    conditional at t ignores x_t) for one mask per sentence, as every eval row has."""
 
     def __init__(self, lang):
         super().__init__()
@@ -268,10 +287,9 @@ class LookupTable(nn.Module):
         try:  # languages that read mask_id as an unobserved word (marginalised): exact
             return self.lang.mlm_conditional(t, lengths)            # (B, T, V) float64
         except ValueError:
-            # others reject masks; the conditional at t ignores x_t, so fill the mask with a
-            # word (its left neighbour: positive probability where that matters, e.g. HMM blocks)
-            left = torch.cat([t[:, 1:2], t[:, :-1]], 1)
-            return self.lang.mlm_conditional(torch.where(t == data.mask_id(self.V), left, t), lengths)
+            # the teacher rejects masks; it gives every word positive probability, so any word
+            # is a valid filler and the conditional at the masked position does not depend on it
+            return self.lang.mlm_conditional(t.masked_fill(t == data.mask_id(self.V), 0), lengths)
 
     def features(self, tokens):
         return self._conditional(tokens).float().to(tokens.device)
@@ -279,7 +297,7 @@ class LookupTable(nn.Module):
     def forward(self, tokens):
         logp = self._conditional(tokens).clamp_min(1e-30).log()
         logp = F.pad(logp, (0, data.N_SPECIAL), value=math.log(1e-30))
-        return logp.float().to(tokens.device)
+        return logp.to(tokens.device)
 
 
 # ------------------------------------------------------------------------ checkpoints ---
@@ -326,11 +344,31 @@ def check_args(args):
         args.warmup = WARMUP.get(args.algo, 0.0)
     if args.schedule is None:
         args.schedule = SCHEDULE.get(args.algo, "const")
-    if args.name is None:
-        args.name = f"{os.path.splitext(os.path.basename(args.lang))[0]}-{args.preset}-{args.algo}-s{args.seed}"
+    if args.name is None and args.grow_from is None:
+        size = "".join(f"-{tag}{getattr(args, k)}" for k, tag in SIZE_OVERRIDES.items()
+                       if getattr(args, k) is not None)
+        args.name = (f"{os.path.splitext(os.path.basename(args.lang))[0]}-{args.preset}{size}-"
+                     f"{args.algo}-s{args.seed}")
+    elif args.name is None:   # runs/SOURCE-RUN-ckpt_0000500-grow-w2-l0
+        source = os.path.basename(os.path.dirname(os.path.abspath(args.grow_from)))
+        args.name = (f"{source}-{os.path.splitext(os.path.basename(args.grow_from))[0]}-grow-"
+                     f"w{args.grow_width}-l{args.grow_layers}")
     bad = [f"--{k.replace('_', '-')} must be >= 1 (got {getattr(args, k)})" for k in
-           ("steps", "batch", "eval_n", "eval_every", "log_every", "ckpt_every", "threads")
+           ("batch", "eval_n", "eval_every", "log_every", "ckpt_every", "threads")
            if getattr(args, k) < 1]
+    if args.steps < (0 if args.grow_from else 1):   # --grow-from --steps 0: only the grown model
+        bad.append(f"--steps must be >= {0 if args.grow_from else 1} (got {args.steps})")
+    bad += [f"--{k.replace('_', '-')} must be an integer >= 1 (got {getattr(args, k)})"
+            for k in SIZE_OVERRIDES if getattr(args, k) is not None and getattr(args, k) < 1]
+    if args.grow_from is not None:
+        if args.grow_width < 1 or args.grow_layers < 0:
+            bad.append(f"--grow-width must be >= 1 and --grow-layers >= 0 (got "
+                       f"{args.grow_width}, {args.grow_layers})")
+        if args.algo == "lookup":
+            bad.append("--grow-from grows a network; --algo lookup has none")
+        if not os.path.isfile(args.grow_from):   # also on --resume: the run's net is rebuilt from it
+            bad.append(f"--grow-from: no checkpoint file {args.grow_from!r} (train.py writes "
+                       f"runs/NAME/ckpt_*.pt)")
     if args.pool is not None and args.pool < 1:
         bad.append(f"--pool must be >= 1 (got {args.pool})")
     if args.mask_rate is not None and not 0 < args.mask_rate <= 1:
@@ -368,15 +406,43 @@ def setup_distributed(args):
 
 
 def build_model(args, lang):
-    """The network for this language: a preset from model.py with the language's sizes."""
+    """The network for this language: a preset from model.py with the language's sizes, and
+    the preset's layers / heads / LSTM width replaced where --n-layers, --n-heads or
+    --lstm-hidden say so (the model-size sweeps of §2.2, Figs. 2 and 5)."""
     V = lang.vocab_size
+    overrides = {k: getattr(args, k) for k in SIZE_OVERRIDES if getattr(args, k, None) is not None}
     try:
         cfg = model.config_from_preset(args.preset, vocab_size=V + data.N_SPECIAL,
-                                       pad_id=data.pad_id(V), max_len=lang.max_len)
-    except ValueError as e:
+                                       pad_id=data.pad_id(V), max_len=lang.max_len, **overrides)
+    except (ValueError, TypeError) as e:
         raise SystemExit(f"train.py: {e}")
+    unused = [k for k in overrides if k in SIZE_FIELDS_OF_OTHER_ARCH[cfg.arch]]
+    if unused:
+        raise SystemExit(f"train.py: --{unused[0].replace('_', '-')} does not apply to preset "
+                         f"{args.preset!r}, a {cfg.arch} (--n-heads: transformers; "
+                         f"--lstm-hidden: LSTMs; --n-layers: both)")
     torch.manual_seed(stream_seed(args.seed, "init"))                # same weights on every rank
     return model.build(cfg)
+
+
+def grow_model(args):
+    """(grown network in training mode, language, source checkpoint, source network) for
+    --grow-from: the source model widened --grow-width times and --grow-layers blocks deeper
+    by model.grow, computing the same function (App. B.1), on the source's language. New
+    blocks are drawn from the run's init stream, so every rank grows identical weights."""
+    try:
+        small, source, lang = load_checkpoint(args.grow_from)
+    except FileNotFoundError as e:
+        raise SystemExit(f"train.py: --grow-from: {e}")
+    if source["kind"] != "mlm":
+        raise SystemExit(f"train.py: --grow-from {args.grow_from}: a {source['kind']!r} "
+                         f"checkpoint has no network to grow")
+    try:
+        big = model.grow(small, width=args.grow_width, extra_layers=args.grow_layers,
+                         seed=stream_seed(args.seed, "init"))
+    except ValueError as e:
+        raise SystemExit(f"train.py: --grow-from: {e}")
+    return big.train(), lang, source, small
 
 
 def resume_state(args, run_dir, lang, cfg):
@@ -427,26 +493,61 @@ def fmt_time(s):
 
 
 def write_lookup(args, lang, run_dir):
-    """App. A.4's lookup table: one checkpoint of kind "lookup", and its eval row. The table
-    outputs the true conditional, so its loss is the entropy and its KL 0 (the tests check the
-    table against data.py; not re-run here: the teacher's conditionals cost minutes)."""
-    ev = make_eval_set(lang, args.eval_n)
-    entropy = float((ev["weight"] * ev["row_entropy"]).sum())
+    """App. A.4's lookup table: one checkpoint of kind "lookup", and its eval row, computed
+    with evaluate() like any model's (the table gets the masked eval inputs; its KL comes out
+    ~1e-15, float64 rounding). The teacher's exact conditional costs ~0.5-0.8 s per masked
+    row on one CPU thread (172 rows of 10 sentences: 2:18 measured on the shared 2-core
+    machine), so its table is scored on a LOOKUP_TEACHER_EVAL_N-sentence eval set and the
+    row's "eval_n" says so; the other languages use --eval-n."""
+    t0 = time.time()
+    n = args.eval_n
+    if lang.spec()["kind"] == "teacher" and n > LOOKUP_TEACHER_EVAL_N:
+        n = LOOKUP_TEACHER_EVAL_N
+        print(f"lookup table on the teacher language: scored on a {n}-sentence eval set instead "
+              f"of --eval-n {args.eval_n} (each masked row costs an exact teacher conditional, "
+              f"~0.5 s)", flush=True)
+    ev = make_eval_set(lang, n)
+    print(f"lookup table: scoring {len(ev['pos'])} masked eval rows ({n} sentences) with "
+          f"evaluate()", flush=True)
     row = {"step": 0, "loss": None, "lr": 0.0, "tokens_per_s": 0.0, "wall": 0.0,
-           "eval_loss": entropy, "entropy": entropy, "kl": 0.0, "kl_se": 0.0}
+           **evaluate(LookupTable(lang), ev, lang.vocab_size), "eval_n": n}
+    row["wall"] = time.time() - t0
     with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
     path = ckpt_path(run_dir, 0)
     save_checkpoint(path, {"kind": "lookup", "model": {}, "optimizer": {}, "step": 0, "rng": {},
                            "language": lang.spec(), "args": vars(args)})
-    print(f"lookup table: eval_loss = entropy = {entropy:.4f} nats (kl 0); wrote {path}")
+    print(f"lookup table: eval_loss {row['eval_loss']:.6f}, entropy {row['entropy']:.6f} nats, "
+          f"kl {row['kl']:.1e} ({fmt_time(row['wall'])}); wrote {path}")
+
+
+def write_grown(args, run_dir, net, small, source, ev, V, device, checkpoint):
+    """Step 0 of a --grow-from run (App. B.1.3): the eval row of the grown model, which must
+    equal the source model's (printed side by side: grow() is exact up to float32 rounding),
+    and its checkpoint, written by the run's own `checkpoint` (fresh optimizer state)."""
+    t0 = time.time()
+    row = {"step": 0, "loss": None, "lr": 0.0, "tokens_per_s": 0.0, "wall": 0.0,
+           **evaluate(net, ev, V, device)}
+    row["wall"] = time.time() - t0
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    kl_source = evaluate(small.to(device), ev, V, device)["kl"]
+    checkpoint(0)
+    n_small, n_big = (sum(p.numel() for p in m.parameters()) for m in (small, net))
+    print(f"grew {args.grow_from} (step {source['step']}, {n_small:,} params) to {n_big:,} params "
+          f"(width x{args.grow_width}, +{args.grow_layers} layers): eval kl {row['kl']:.6f} vs "
+          f"the source's {kl_source:.6f} (diff {abs(row['kl'] - kl_source):.1e}); wrote "
+          f"{ckpt_path(run_dir, 0)}", flush=True)
 
 
 def train(args):
     """Run one training job as the arguments say (see the module docstring)."""
     check_args(args)
     torch.set_num_threads(args.threads)
-    lang = make_language(args.lang, args.lang_seed)
+    if args.grow_from is None:
+        lang = make_language(args.lang, args.lang_seed)
+    else:
+        grown, lang, source, small = grow_model(args)
     V, pad = lang.vocab_size, data.pad_id(lang.vocab_size)
     if args.algo == "adversarial":
         args.task = args.task if args.task is not None else lang.tasks[0]
@@ -456,7 +557,7 @@ def train(args):
             raise SystemExit(f"train.py: unknown --task {args.task!r} for this language: {e}")
     rank, world = setup_distributed(args)
     run_dir = os.path.join(args.runs, args.name)
-    net = build_model(args, lang) if args.algo != "lookup" else None
+    net = None if args.algo == "lookup" else build_model(args, lang) if args.grow_from is None else grown
     cfg = net.config if net is not None else None
     ckpt = resume_state(args, run_dir, lang, cfg)
     if rank == 0:
@@ -498,7 +599,11 @@ def train(args):
     ev = make_eval_set(lang, args.eval_n) if rank == 0 else None
     if rank == 0:
         n_params = sum(p.numel() for p in net.parameters())
-        print(f"{run_dir}: {args.preset} ({n_params:,} params, {cfg.arch}) on {args.lang} "
+        size = ", ".join(f"{k}={getattr(args, k)}" for k in SIZE_OVERRIDES if getattr(args, k) is not None)
+        what = (f"{args.preset}{f' with {size}' if size else ''}" if args.grow_from is None
+                else f"{args.grow_from} grown")
+        where = args.lang if args.grow_from is None else f"its {lang.spec()['kind']} language"
+        print(f"{run_dir}: {what} ({n_params:,} params, {cfg.arch}) on {where} "
               f"(V={V}, T={lang.max_len}), {args.algo}, global batch {args.batch} over {world} proc, "
               f"{args.steps} steps; eval entropy {float((ev['weight'] * ev['row_entropy']).sum()):.4f} nats")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -515,6 +620,9 @@ def train(args):
     # wall: seconds since the run began (resumes add up), evaluations included; tokens/s: of
     # the training steps since the last row only
     t_window, tokens_window, t_start, start_step = time.time(), 0, time.time(), step
+    if args.grow_from is not None and ckpt is None and rank == 0:
+        write_grown(args, run_dir, net, small, source, ev, V, device, checkpoint)
+        t_window = time.time()                  # tokens/s of the first row: training time only
     # Ctrl-C and `kill` (SIGTERM, e.g. a scheduler's preemption) only raise a flag, checked
     # between updates, so the checkpoint written on the way out holds whole updates; a second
     # Ctrl-C stops at once.
@@ -613,11 +721,26 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--lang", default="hmm-small", help=f"language: one of {', '.join(LANGUAGES)}, or a .json "
+    a("--lang", default=None, help=f"language: one of {', '.join(LANGUAGES)}, or a .json "
       "file holding a data.py spec() (default hmm-small: V=50, 20 states, T=16)")
-    a("--lang-seed", type=int, default=0, help="seed of the random language (default 0)")
-    a("--preset", default="lstm-62k", help=f"model size preset: {', '.join(model.PRESETS)} "
+    a("--lang-seed", type=int, default=None, help="seed of the random language (default 0)")
+    a("--preset", default=None, help=f"model size preset: {', '.join(model.PRESETS)} "
       "(default lstm-62k, the tiny CPU LSTM)")
+    a("--n-layers", type=int, default=None,
+      help="override the preset's number of transformer blocks / stacked LSTM layers")
+    a("--n-heads", type=int, default=None,
+      help="override the preset's attention heads (transformer; width d = 64 * heads)")
+    a("--lstm-hidden", type=int, default=None,
+      help="override the preset's LSTM hidden size per direction (LSTM; d = 2 * hidden)")
+    a("--grow-from", default=None, metavar="CKPT",
+      help="start from checkpoint CKPT grown by model.grow (App. B.1: same function, larger "
+      "model): written as step 0 of the new run with its exact eval row, then trained for "
+      "--steps (0: only write it) with a fresh optimizer. Model size and language come from "
+      "CKPT, so --lang, --lang-seed, --preset and the size overrides are not allowed with it")
+    a("--grow-width", type=int, default=None,
+      help="with --grow-from: width factor k (heads / LSTM hidden units times k; default 2)")
+    a("--grow-layers", type=int, default=None,
+      help="with --grow-from: transformer blocks added on top (default 0; not for LSTMs)")
     a("--algo", default="adamw", choices=ALGOS, help="pre-training algorithm (default adamw; see above)")
     a("--steps", type=int, default=3000, help="number of updates (default 3000); fixed for a run "
       "(the schedule depends on it): to train far past convergence pick it large, --schedule const")
@@ -653,7 +776,25 @@ def parse_args(argv=None):
     a("--compile", action="store_true", help="torch.compile the model (GPU runs)")
     a("--threads", type=int, default=1, help="torch threads per process (default 1: measured "
       "faster and steadier than 2 on a 2-core machine, see README)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # Defaults filled here rather than by argparse, so that --grow-from can tell given flags
+    # apart; flags that did not exist when a checkpoint was written stay None, so --resume of
+    # older runs compares equal.
+    given = [f for f in ("lang", "lang_seed", "preset", *SIZE_OVERRIDES) if getattr(args, f) is not None]
+    if args.grow_from is None:
+        grow_flags = [f for f in ("grow_width", "grow_layers") if getattr(args, f) is not None]
+        if grow_flags:
+            p.error(f"--{grow_flags[0].replace('_', '-')} needs --grow-from CKPT")
+        args.lang = "hmm-small" if args.lang is None else args.lang
+        args.lang_seed = 0 if args.lang_seed is None else args.lang_seed
+        args.preset = "lstm-62k" if args.preset is None else args.preset
+    elif given:
+        p.error(f"--{given[0].replace('_', '-')} cannot be combined with --grow-from: the grown "
+                f"model's language and size come from the checkpoint (and --grow-width/-layers)")
+    else:
+        args.grow_width = 2 if args.grow_width is None else args.grow_width
+        args.grow_layers = 0 if args.grow_layers is None else args.grow_layers
+    return args
 
 
 def main(argv=None):
