@@ -682,7 +682,8 @@ def parse_args(argv=None):
     a("--chunk", type=int, default=None,
       help="per-sample gradients per vmap call (default: ~128 MiB of gradients)")
     a("--device", default=None, help="cpu, cuda or mps (default: the first available of cuda, mps, cpu)")
-    a("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    a("--threads", type=int, default=1,
+      help="torch CPU threads (default 1: on 2 shared cores a second thread was 13-20x slower)")
     a("--sgd-demo", action="store_true",
       help="run the Theorem 3.3 demonstration (toy factorised softmax) instead of checkpoints")
     args = p.parse_args(argv)
@@ -690,7 +691,7 @@ def parse_args(argv=None):
         p.error("give checkpoint files (runs/NAME/ckpt_*.pt) or --sgd-demo")
     bad = [f"--{k} must be >= {m} (got {getattr(args, k)})" for k, m in
            (("sentences", 1), ("samples", 1), ("repeats", 2), ("hvp_sentences", 1),
-            ("eig_iters", 1), ("hutchinson_probes", 0)) if getattr(args, k) < m]
+            ("eig_iters", 1), ("hutchinson_probes", 0), ("threads", 1)) if getattr(args, k) < m]
     missing = [c for c in args.checkpoints if not Path(c).is_file()]
     if missing:
         bad.append(f"no checkpoint file {', '.join(missing)} (train.py writes runs/NAME/ckpt_*.pt)")
@@ -701,8 +702,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     if args.sgd_demo:
         print("Theorem 3.3: SGD (fresh samples, lr 0.05, batch 1) on softmax(A B), started at the "
               "unbalanced minimiser (2 A*, B*/2)")
