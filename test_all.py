@@ -2011,16 +2011,24 @@ def test_repro_e2_model_size_and_grow_chain(tmp_path, capsys, monkeypatch):
     assert h["e2-h16-grown2"]["n_params"] == h["e2-h32"]["n_params"] > h["e2-h16"]["n_params"]
 
 
-def test_repro_e3_training_algorithms_chain(tmp_path, capsys):
-    """E3: AdamW, SGD, the adversarial objective and the lookup table, through the same chain;
-    the lookup table gets no Hessian (no parameters) but a probe accuracy and KL = 0."""
+def test_repro_e3_training_algorithms_chain(tmp_path, capsys, monkeypatch):
+    """E3: AdamW, SGD continued from the AdamW checkpoint (the README's workaround: train.main
+    with train.build_model returning the loaded network), the adversarial objective and the
+    lookup table, through the same chain; the lookup table gets no Hessian (no parameters) but
+    a probe accuracy and KL = 0."""
     common = ["--steps", "4", "--ckpt-every", "4"]
     runs = {}
-    for name, extra in (("adamw", []), ("sgd", ["--algo", "sgd", "--lr", "0.5"]),
-                        ("adversarial", ["--algo", "adversarial", "--task", "6", "--adv-lambda", "1",
+    for name, extra in (("adamw", []),
+                        ("adversarial", ["--algo", "adversarial", "--task", "6", "--adv-lambda", "0.1",
                                          "--adv-pool", "64", "--adv-n1", "16", "--adv-n2", "16"]),
                         ("lookup", ["--algo", "lookup"])):
         runs[name] = _repro_train(tmp_path, name, *common, *extra)
+    start, _, _ = train.load_checkpoint(runs["adamw"][1][-1])
+    start_weights = {k: v.clone() for k, v in start.state_dict().items()}
+    monkeypatch.setattr(train, "build_model", lambda args, lang: start.train())
+    runs["sgd"] = _repro_train(tmp_path, "sgd", *common, "--algo", "sgd", "--lr", "1")
+    moved = train.load_checkpoint(runs["sgd"][1][-1])[0].state_dict()
+    assert any(not torch.equal(moved[k], start_weights[k]) for k in moved)   # SGD trained on from it
     _repro_measure([c for _, ckpts in runs.values() for c in ckpts])
     rows, _ = _repro_summary(tmp_path, [run for run, _ in runs.values()], capsys)
     _repro_check(rows, [("adamw", 4), ("sgd", 4), ("adversarial", 4), ("lookup", 0)],

@@ -757,7 +757,9 @@ def parse_args(argv=None):
     a("--pool", type=int, default=None, help="train on a fixed pool of N sentences "
       "(uniform draws with replacement) instead of fresh samples every step")
     a("--task", default=None, help="adversarial: downstream task (default: the language's first)")
-    a("--adv-lambda", type=float, default=1.0, help="adversarial: weight lambda of -loss_D2")
+    a("--adv-lambda", type=float, default=1.0,
+      help="adversarial: weight lambda of -loss_D2 (on hmm-small with lstm-62k, 1.0 diverged to NaN "
+           "at step 1668; 0.1 kept the KL within 0.004 nats of AdamW's: README, E3)")
     a("--adv-alpha", type=float, default=1.0,
       help="adversarial: ridge penalty relative to the mean squared feature norm")
     a("--adv-pool", type=int, default=4096, help="adversarial: downstream training set size")
