@@ -1007,13 +1007,13 @@ def test_train_resume_equals_uninterrupted(tmp_path, monkeypatch):
         assert torch.equal(a["model"][k], b["model"][k]), k
 
 
-def _train_ddp_worker(rank, world, tmp_path, out):
+def _train_ddp_worker(rank, world, tmp_path, out, attempt=0):
     """One DDP process: gradient of this rank's half of the global batch, averaged by DDP."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     # rendezvous through a file, not a TCP port another job on the machine could take first
     torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{tmp_path}/rendezvous", rank=rank, world_size=world)
+        "gloo", init_method=f"file://{tmp_path}/rendezvous{attempt}", rank=rank, world_size=world)
     args = train.parse_args(_train_args(tmp_path, "--batch", 16))
     train.check_args(args)
     lang = train.make_language(args.lang, args.lang_seed)
@@ -1030,7 +1030,13 @@ def _train_ddp_worker(rank, world, tmp_path, out):
 
 def test_train_ddp_gloo_matches_single_process(tmp_path):
     out = os.path.join(tmp_path, "grads.pt")
-    mp.spawn(_train_ddp_worker, args=(2, str(tmp_path), out), nprocs=2, join=True)
+    try:
+        mp.spawn(_train_ddp_worker, args=(2, str(tmp_path), out), nprocs=2, join=True)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        # gloo's sockets between the two processes failed once in ~6 full runs on a busy shared
+        # machine; a real bug fails the second attempt too
+        print(f"DDP attempt 1 failed ({type(e).__name__}: {str(e)[-300:]}); retrying once")
+        mp.spawn(_train_ddp_worker, args=(2, str(tmp_path), out, 1), nprocs=2, join=True)
     ddp_grads = torch.load(out, weights_only=True)
     # one process, the same global batch: both ranks' halves, concatenated
     args = train.parse_args(_train_args(tmp_path, "--batch", 16))
