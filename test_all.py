@@ -1980,48 +1980,37 @@ def test_repro_e1_after_convergence_chain(tmp_path, capsys):
     assert math.isfinite(float(line[0].split(":")[1].split()[0]))
 
 
-def _repro_grow_checkpoint(src, run_dir, width):
-    """What the README's E2 grow snippet does: grow() a checkpoint's model (App. B.1), write it
-    as a checkpoint of its own run directory with an exact eval row in metrics.jsonl."""
-    net, ckpt, lang = train.load_checkpoint(src)
-    big = model.grow(net, width=width)
-    os.makedirs(run_dir, exist_ok=True)
-    row = {"step": ckpt["step"], **train.evaluate(big, train.make_eval_set(lang, ckpt["args"]["eval_n"]),
-                                                   lang.vocab_size)}
-    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
-    train.save_checkpoint(train.ckpt_path(run_dir, ckpt["step"]),
-                          {**ckpt, "model_config": dataclasses.asdict(big.config),
-                           "model": big.state_dict(), "optimizer": {}})
-    return row
+def _repro_grow(tmp_path, name, src, *extra):
+    """train.py --grow-from SRC (App. B.1): step 0 of run NAME is grow(SRC's model)."""
+    train.main(["--grow-from", src, "--eval-n", "40", "--log-every", "2", "--eval-every", "2",
+                "--threads", "1", "--runs", str(tmp_path), "--name", name, *extra])
+    run = os.path.join(str(tmp_path), name)
+    return run, train.list_checkpoints(run)
 
 
-def test_repro_e2_model_size_and_grow_chain(tmp_path, capsys, monkeypatch):
-    """E2: two LSTM widths (a CPU preset added the way the README's workaround does), and the
-    small model grown to the larger width: same eval loss as the small one, Hessian measurable."""
-    monkeypatch.setitem(model.PRESETS, "lstm-h16", dict(arch="lstm", lstm_hidden=16, n_layers=2))
-    small, c_small = _repro_train(tmp_path, "e2-h16", "--preset", "lstm-h16", "--steps", "4",
-                                  "--ckpt-every", "4")
+def test_repro_e2_model_size_and_grow_chain(tmp_path, capsys):
+    """E2: two LSTM widths (--lstm-hidden), and the small model grown to the larger width
+    (--grow-from): same eval loss as the small one, Hessian and probe measurable."""
+    small, c_small = _repro_train(tmp_path, "e2-h16", "--preset", "lstm-62k", "--lstm-hidden", "16",
+                                  "--steps", "4", "--ckpt-every", "4")
     large, c_large = _repro_train(tmp_path, "e2-h32", "--preset", "lstm-62k", "--steps", "4",
                                   "--ckpt-every", "4")
-    grown = os.path.join(str(tmp_path), "e2-h16-grown2")
-    row = _repro_grow_checkpoint(c_small[-1], grown, width=2)
-    small_eval = [r for r in probe.read_jsonl(os.path.join(small, "metrics.jsonl")) if "kl" in r][-1]
-    assert abs(row["eval_loss"] - small_eval["eval_loss"]) < 1e-5      # grow() keeps the function
-    c_grown = train.list_checkpoints(grown)
+    grown, c_grown = _repro_grow(tmp_path, "e2-h16-grown2", c_small[-1], "--grow-width", "2",
+                                 "--steps", "0")
+    evals = lambda run: [r for r in probe.read_jsonl(os.path.join(run, "metrics.jsonl")) if "kl" in r]
+    assert abs(evals(grown)[0]["eval_loss"] - evals(small)[-1]["eval_loss"]) < 1e-6  # same function
     _repro_measure(c_small + c_large + c_grown)
     rows, _ = _repro_summary(tmp_path, [small, large, grown], capsys)
-    _repro_check(rows, [("e2-h16", 4), ("e2-h32", 4), ("e2-h16-grown2", 4)])
+    _repro_check(rows, [("e2-h16", 4), ("e2-h32", 4), ("e2-h16-grown2", 0)])
     h = {os.path.basename(os.path.dirname(r["ckpt"])): r for d in (small, large, grown)
          for r in probe.read_jsonl(os.path.join(d, "hessian.jsonl"))}
     assert h["e2-h16-grown2"]["n_params"] == h["e2-h32"]["n_params"] > h["e2-h16"]["n_params"]
 
 
-def test_repro_e3_training_algorithms_chain(tmp_path, capsys, monkeypatch):
-    """E3: AdamW, SGD continued from the AdamW checkpoint (the README's workaround: train.main
-    with train.build_model returning the loaded network), the adversarial objective and the
-    lookup table, through the same chain; the lookup table gets no Hessian (no parameters) but
-    a probe accuracy and KL = 0."""
+def test_repro_e3_training_algorithms_chain(tmp_path, capsys):
+    """E3: AdamW, SGD continued from the AdamW checkpoint (--grow-from with --grow-width 1), the
+    adversarial objective and the lookup table, through the same chain; the lookup table gets no
+    Hessian (no parameters) but a probe accuracy and a computed KL of 0."""
     common = ["--steps", "4", "--ckpt-every", "4"]
     runs = {}
     for name, extra in (("adamw", []),
@@ -2031,13 +2020,13 @@ def test_repro_e3_training_algorithms_chain(tmp_path, capsys, monkeypatch):
         runs[name] = _repro_train(tmp_path, name, *common, *extra)
     start, _, _ = train.load_checkpoint(runs["adamw"][1][-1])
     start_weights = {k: v.clone() for k, v in start.state_dict().items()}
-    monkeypatch.setattr(train, "build_model", lambda args, lang: start.train())
-    runs["sgd"] = _repro_train(tmp_path, "sgd", *common, "--algo", "sgd", "--lr", "1")
+    runs["sgd"] = _repro_grow(tmp_path, "sgd", runs["adamw"][1][-1], "--grow-width", "1",
+                              *common, "--algo", "sgd", "--lr", "1")
     moved = train.load_checkpoint(runs["sgd"][1][-1])[0].state_dict()
     assert any(not torch.equal(moved[k], start_weights[k]) for k in moved)   # SGD trained on from it
     _repro_measure([c for _, ckpts in runs.values() for c in ckpts])
     rows, _ = _repro_summary(tmp_path, [run for run, _ in runs.values()], capsys)
-    _repro_check(rows, [("adamw", 4), ("sgd", 4), ("adversarial", 4), ("lookup", 0)],
+    _repro_check(rows, [("adamw", 4), ("sgd", 0), ("sgd", 4), ("adversarial", 4), ("lookup", 0)],
                  lookup_runs=("lookup",))
     lookup = [r for r in rows if r["run"] == "lookup"][0]
     assert abs(float(lookup["kl"])) < 1e-9
