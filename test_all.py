@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import os
+import re
 import sys
 
 import numpy as np
@@ -330,6 +331,24 @@ def test_data_masking():
     big = torch.zeros(4000, 30, dtype=torch.long)
     _, tg = data.mask_rate(big, torch.full((4000,), 30), 3, 0.15, gen)
     assert abs((tg != -100).double().mean().item() - 0.15) < 0.01
+
+
+def test_data_mask_position_is_uniform_chi_square():
+    """mask_one draws the masked position uniformly among a sentence's words (§2.1): Pearson's
+    chi-square over positions, per sentence length, below its 0.1% critical value (fixed seed),
+    and mask_rate's forced single mask likewise."""
+    gen = torch.Generator().manual_seed(0)
+    for length in (2, 5, 16):
+        n = 2000 * length                                    # 2,000 expected per position
+        tokens = torch.zeros(n, 16, dtype=torch.long)
+        _, _, pos = data.mask_one(tokens, torch.full((n,), length), 3, gen)
+        counts = pos.bincount(minlength=length).double()
+        assert counts.shape[0] == length                     # never past the sentence's end
+        chi2 = ((counts - 2000) ** 2 / 2000).sum().item()
+        df = length - 1                                       # Wilson-Hilferty 0.1% quantile
+        z = 3.0902
+        critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+        assert chi2 < critical, (length, chi2, critical, counts.tolist())
 
 
 def test_data_cli_writes_reloadable_dataset(tmp_path, capsys):
@@ -999,7 +1018,8 @@ def test_train_resume_equals_uninterrupted(tmp_path, monkeypatch):
     # a killed run may have logged past its last checkpoint: those rows must be replaced
     with open(os.path.join(cut, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": 30, "loss": 123.0}) + "\n")
-    train.train(train.parse_args(_train_args(tmp_path, *common, "--resume", name="cut")))
+    # resumed from the checkpoint alone: the stored arguments, nothing retyped
+    train.train(train.parse_args(["--runs", str(tmp_path), "--name", "cut", "--resume"]))
     assert _train_rows(cut) == _train_rows(full)
     a = torch.load(os.path.join(full, "ckpt_0000040.pt"), weights_only=True)
     b = torch.load(os.path.join(cut, "ckpt_0000040.pt"), weights_only=True)
@@ -1149,27 +1169,232 @@ def test_train_checkpoint_is_safe_and_complete(tmp_path):
     assert not [f for f in os.listdir(run) if f.endswith(".tmp")]   # atomic writes leave none
 
 
-def test_train_bad_input_errors(tmp_path, monkeypatch):
-    def fails(match, *extra, name="bad"):
-        with pytest.raises(SystemExit, match=match):
-            train.train(train.parse_args(_train_args(tmp_path, *extra, name=name)))
-    fails("unknown preset", "--preset", "nope")
-    with pytest.raises(SystemExit, match="unknown language"):
-        train.train(train.parse_args(["--lang", "klingon", "--runs", str(tmp_path)]))
-    fails("--batch must be >= 1", "--batch", 0)
-    fails("exceed --adv-pool", "--algo", "adversarial", "--adv-pool", 10)
-    fails("--mask-rate must be", "--mask-rate", 1.5)
-    fails("no checkpoint in", "--resume", name="nothing")
-    train.train(train.parse_args(_train_args(tmp_path, "--steps", 4, "--eval-every", 4, name="a")))
-    fails("already holds checkpoints", "--steps", 4, name="a")
-    fails("another configuration.*lr", "--steps", 4, "--lr", 3e-3, "--resume", name="a")
-    other = os.path.join(tmp_path, "other.json")
-    with open(other, "w") as f:
-        json.dump(data.HMM.random(n_states=6, vocab_size=10, n_blocks=2, length=6, seed=1).spec(), f)
-    with pytest.raises(SystemExit, match="another configuration.*language"):
-        args = _train_args(tmp_path, "--steps", 4, "--resume", name="a")
-        args[args.index("--lang") + 1] = other
+@pytest.mark.parametrize("extra, message", [
+    (("--preset", "nope"), "unknown preset"),
+    (("--lang", "klingon"), "unknown language"),
+    (("--batch", 0), "--batch must be >= 1"),
+    (("--algo", "adversarial", "--adv-pool", 10), "exceed --adv-pool"),
+    (("--mask-rate", 1.5), "--mask-rate must be"),
+    (("--weight-decay", -1), "--weight-decay must be a finite number >= 0"),
+    (("--lr", "inf"), "--lr must be a finite number > 0"),
+    (("--lr", 0), "--lr must be a finite number > 0"),
+    (("--adv-lambda", "nan"), "--adv-lambda must be a finite number >= 0"),
+    (("--decay-steps", 5), "--decay-steps needs --schedule const"),
+    (("--schedule", "const", "--steps", 10, "--decay-steps", 10), "overlaps the warm-up"),
+    (("--branch-from", "missing.pt", "--decay-steps", 5), "no checkpoint file 'missing.pt'"),
+    (("--resume",), "no checkpoint in"),
+    (("--device", "cuda"), "torch.cuda.is_available"),
+])
+def test_train_bad_flags_are_refused(tmp_path, extra, message):
+    if extra[0] == "--device" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    args = _train_args(tmp_path, *extra, name="bad")
+    if extra[0] == "--lang":
+        args[args.index("--lang") + 1] = extra[1]
+    with pytest.raises(SystemExit, match=re.escape(message)):
         train.train(train.parse_args(args))
+    assert not train.list_checkpoints(os.path.join(tmp_path, "bad"))
+
+
+def test_train_runs_must_be_a_folder(tmp_path):
+    runs = os.path.join(tmp_path, "a_file")
+    open(runs, "w").close()
+    with pytest.raises(SystemExit, match="--runs .*a_file is a file"):
+        train.train(train.parse_args(["--runs", runs, "--steps", "2"]))
+
+
+def test_train_wrong_files_give_one_line_errors(tmp_path):
+    """Whatever file is passed as a checkpoint, the message names it and says what was
+    expected (no KeyError, EOFError or unpickling traceback)."""
+    files = {"text.pt": b"step 101\n", "empty.pt": b""}
+    for name, content in files.items():
+        with open(os.path.join(tmp_path, name), "wb") as f:
+            f.write(content)
+    torch.save({"spec": {"kind": "hmm"}, "labels": {}}, os.path.join(tmp_path, "dataset.pt"))
+    torch.save({"step": 3}, os.path.join(tmp_path, "dict.pt"))
+    for name, message in [("text.pt", "not a readable train.py checkpoint"),
+                          ("empty.pt", "not a readable train.py checkpoint"),
+                          ("dataset.pt", "is a data.py dataset, not a train.py checkpoint"),
+                          ("dict.pt", "is not a train.py checkpoint"),
+                          ("missing.pt", "no checkpoint file")]:
+        path = os.path.join(tmp_path, name)
+        with pytest.raises((ValueError, FileNotFoundError), match=re.escape(message)) as e:
+            train.load_checkpoint(path)
+        assert path in str(e.value) and "\n" not in str(e.value)
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            train.parse_args(["--resume", path])
+
+
+def test_train_resume_refusals_and_completion(tmp_path, capsys):
+    """A resumed run keeps its stored arguments: a flag that would change them is refused, as
+    is another number of processes; a run at its last step says it is complete."""
+    train.train(train.parse_args(_train_args(tmp_path, "--steps", 4, "--eval-every", 4, name="a")))
+    with pytest.raises(SystemExit, match="already holds checkpoints"):
+        train.train(train.parse_args(_train_args(tmp_path, "--steps", 4, name="a")))
+    resume = ["--runs", str(tmp_path), "--name", "a", "--resume"]
+    with pytest.raises(SystemExit, match=re.escape("--lr 0.003 (the run's: 0.01)")):
+        train.parse_args(resume + ["--lr", "3e-3"])
+    with pytest.raises(SystemExit, match="cannot be extended"):   # linear schedule: lr is 0
+        train.parse_args(resume + ["--steps", "8"])
+    with pytest.raises(SystemExit, match="past --steps 2"):
+        train.parse_args(resume + ["--steps", "2"])
+    capsys.readouterr()
+    train.train(train.parse_args(resume + ["--threads", "1"]))
+    assert "is complete" in capsys.readouterr().out
+    path = os.path.join(tmp_path, "a", "ckpt_0000004.pt")
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["world"] == 1
+    ckpt.update(world=2, step=3)
+    torch.save(ckpt, path)
+    with pytest.raises(SystemExit, match="number of processes .*nproc_per_node=2"):
+        train.train(train.parse_args(resume))
+
+
+def test_train_restart_before_first_checkpoint_keeps_no_stale_rows(tmp_path):
+    """A run killed before its first checkpoint leaves metrics rows but nothing to resume:
+    started again, its metrics.jsonl is that of one clean run (no duplicated steps)."""
+    run = os.path.join(tmp_path, "r")
+    os.makedirs(run)
+    with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 2, "loss": 9.0}) + "\n")
+    train.train(train.parse_args(_train_args(tmp_path, "--steps", 4, "--log-every", 2,
+                                             "--eval-every", 4, name="r")))
+    assert [r["step"] for r in _train_rows(run)] == [2, 4]
+    assert _train_rows(run)[0]["loss"] != 9.0
+
+
+def _weights(path):
+    return torch.load(path, weights_only=True)["model"]
+
+
+def test_train_extend_const_run_equals_one_longer_run(tmp_path):
+    """--resume --steps N continues a constant-lr run: the same as one run of N steps with
+    the same warm-up (fixed in steps at the run's start: 2 here)."""
+    common = ("--schedule", "const", "--eval-every", 10, "--log-every", 5, "--ckpt-every", 10)
+    long = train.train(train.parse_args(_train_args(tmp_path, *common, "--steps", 40,
+                                                    "--warmup", 0.05, name="long")))
+    train.train(train.parse_args(_train_args(tmp_path, *common, "--steps", 20, "--warmup", 0.1,
+                                             name="ext")))
+    ext = train.train(train.parse_args(["--runs", str(tmp_path), "--name", "ext", "--resume",
+                                        "--steps", "40"]))
+    assert _train_rows(ext) == _train_rows(long)
+    a, b = _weights(os.path.join(long, "ckpt_0000040.pt")), _weights(os.path.join(ext, "ckpt_0000040.pt"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_train_decay_branch_equals_warmup_stable_decay_run(tmp_path):
+    """--branch-from CKPT --decay-steps N continues CKPT's run (weights, AdamW moments, data
+    stream) with the lr decayed linearly to 0: the same as one run with --decay-steps N."""
+    common = ("--schedule", "const", "--steps", 40, "--eval-every", 10, "--log-every", 5,
+              "--ckpt-every", 10)
+    source = train.train(train.parse_args(_train_args(tmp_path, *common, name="src")))
+    wsd = train.train(train.parse_args(_train_args(tmp_path, *common, "--decay-steps", 20,
+                                                   name="wsd")))
+    branch = train.train(train.parse_args([
+        "--branch-from", os.path.join(source, "ckpt_0000020.pt"), "--decay-steps", "20",
+        "--runs", str(tmp_path), "--log-every", "5"]))
+    assert os.path.basename(branch) == "src-from20-decay20"
+    rows = _train_rows(branch)
+    assert rows == [r for r in _train_rows(wsd) if r["step"] > 20]
+    lr = 1e-2   # the lr logged at step s is the one of update s - 1: (40 - (s - 1)) / 20 of lr
+    assert [r["lr"] for r in rows] == pytest.approx([lr * (41 - r["step"]) / 20 for r in rows])
+    a, b = _weights(os.path.join(wsd, "ckpt_0000040.pt")), _weights(os.path.join(branch, "ckpt_0000040.pt"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    stored = torch.load(os.path.join(branch, "ckpt_0000040.pt"), weights_only=True)["args"]
+    assert stored["branch_from"].endswith("ckpt_0000020.pt") and stored["decay_steps"] == 20
+    with pytest.raises(SystemExit, match="already decays"):
+        train.parse_args(["--branch-from", os.path.join(wsd, "ckpt_0000020.pt"),
+                          "--decay-steps", "5"])
+    with pytest.raises(SystemExit, match="keeps its run's arguments"):
+        train.parse_args(["--branch-from", os.path.join(source, "ckpt_0000020.pt"),
+                          "--decay-steps", "5", "--lr", "1"])
+
+
+@pytest.mark.parametrize("algo, schedule, decay", [("adamw", "linear", 0), ("sgd", "const", 0),
+                                                    ("adamw", "const", 7)])
+def test_train_lr_schedule_matches_formula(tmp_path, algo, schedule, decay):
+    """The lr the optimizer holds at every update equals the schedule's formula (App. A.3:
+    warm-up 6% adamw / 12% sgd, then linear decay to 0 or constant; or constant then decay)."""
+    steps, lr = 50, 0.02
+    train.train(train.parse_args(_train_args(
+        tmp_path, "--algo", algo, "--schedule", schedule, "--decay-steps", decay,
+        "--steps", steps, "--lr", lr, "--log-every", 1, "--eval-every", 50, name="s")))
+    w = round({"adamw": 0.06, "sgd": 0.12}[algo] * steps)
+    expect = []
+    for i in range(steps):
+        if i < w:
+            expect.append(lr * (i + 1) / w)
+        elif schedule == "linear":
+            expect.append(lr * (steps - i) / (steps - w))
+        else:
+            expect.append(lr * min(1.0, (steps - i) / decay) if decay else lr)
+    logged = [r["lr"] for r in _train_rows(os.path.join(tmp_path, "s"))]
+    assert logged == pytest.approx(expect, rel=1e-12)
+
+
+def test_train_optimizer_groups_and_hyperparameters():
+    """AdamW as App. A.3: betas (0.9, 0.98), eps 1e-6, weight decay on weight matrices and
+    embeddings only (not biases, not LayerNorm); --algo sgd is plain SGD."""
+    net = model.build(model.config_from_preset("tf-2m", vocab_size=12, pad_id=11, max_len=8))
+    args = train.parse_args(["--algo", "adamw", "--weight-decay", "0.05", "--lr", "0.004"])
+    opt = train.make_optimizer(net, args)
+    assert type(opt) is torch.optim.AdamW
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] == 0.05 for p in g["params"]}
+    for name, p in net.named_parameters():
+        parts = name.split(".")                                      # LayerNorm: ln_*.weight
+        no_decay = name.endswith("bias") or (len(parts) > 1 and parts[-2].startswith("ln"))
+        assert (id(p) not in decayed) == no_decay, name
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(net.parameters()))
+    for g in opt.param_groups:
+        assert g["betas"] == (0.9, 0.98) and g["eps"] == 1e-6 and g["lr"] == 0.004
+        assert g["weight_decay"] in (0.0, 0.05)
+    sgd = train.make_optimizer(net, train.parse_args(["--algo", "sgd", "--lr", "0.004"]))
+    assert type(sgd) is torch.optim.SGD
+    assert all(g["momentum"] == 0 and g["weight_decay"] == 0 for g in sgd.param_groups)
+
+
+def test_train_sgd_update_is_theta_minus_lr_grad(tmp_path):
+    """One update of `--algo sgd` in the training loop equals theta - lr * grad L_MLM(theta) on
+    the step-0 batch, computed here by autograd from the same initial weights."""
+    args = train.parse_args(_train_args(tmp_path, "--algo", "sgd", "--steps", 1, "--lr", 0.5,
+                                        "--eval-every", 1, name="sgd"))
+    run = train.train(args)
+    lang = train.make_language(args.lang, args.lang_seed)
+    net = train.build_model(args, lang)                 # same init stream: the step-0 weights
+    inputs, targets = train.make_batch(lang, args, 0, 0, args.batch)
+    train.mlm_loss(net(inputs), targets, lang.vocab_size).backward()
+    after = _weights(os.path.join(run, "ckpt_0000001.pt"))
+    for name, p in net.named_parameters():              # warm-up of 1 step: lr at update 0 = lr
+        torch.testing.assert_close(after[name], p.detach() - 0.5 * p.grad, rtol=0, atol=1e-6)
+
+
+def test_train_adversarial_objective_is_mlm_minus_lambda_d2(tmp_path):
+    """The adversarial update minimises L_MLM - lambda * loss_D2 (App. A.4), each term
+    recomputed here from the network directly; its gradient pushes loss_D2 up."""
+    args = train.parse_args(_train_args(tmp_path, "--algo", "adversarial", "--adv-lambda", 3.0,
+                                        "--adv-n1", 20, "--adv-n2", 20, name="adv"))
+    train.check_args(args)
+    lang = train.make_language(args.lang, args.lang_seed)
+    net = train.build_model(args, lang)
+    inputs, targets = train.make_batch(lang, args, 0, 0, 32)
+    tokens, _, labels = lang.task_data("6", 40, seed=0)
+    C = lang.n_classes("6")
+    loss, total, adv = train.training_objective(train.Objective(net), inputs, targets,
+                                                lang.vocab_size, args, tokens, labels, C)
+    mlm = train.mlm_loss(net(inputs), targets, lang.vocab_size)
+    d2 = train.adversarial_loss(net.features(tokens), tokens, labels, C, 20, args.adv_alpha,
+                                data.pad_id(lang.vocab_size))
+    torch.testing.assert_close(total, mlm - 3.0 * d2)
+    torch.testing.assert_close(loss, mlm)
+    torch.testing.assert_close(adv, d2)
+    # a small step along -grad(total) raises loss_D2 (first order: -lambda |grad d2|^2 dominates)
+    params = list(net.parameters())
+    g_total = torch.autograd.grad(total, params, retain_graph=True)
+    g_d2 = torch.autograd.grad(d2, params, allow_unused=True)   # the output layer: unused
+    assert sum((a * b).sum() for a, b in zip(g_total, g_d2) if b is not None) < 0
+
+
+def test_train_nan_loss_stops_with_last_good_checkpoint(tmp_path, monkeypatch):
     # a NaN loss stops the run naming the step, and the last good checkpoint stays intact
     real_loss, calls = train.mlm_loss, []
 
@@ -1205,7 +1430,7 @@ def test_train_model_size_overrides(tmp_path):
     def fails(match, *extra, name="bad"):
         with pytest.raises(SystemExit, match=match):
             train.train(train.parse_args(_train_args(tmp_path, *extra, name=name)))
-    fails("another configuration.*lstm_hidden: checkpoint 8 vs now 16", "--lstm-hidden", 16,
+    fails(r"--lstm-hidden 16 \(the run's: 8\)", "--lstm-hidden", 16,
           "--n-layers", 1, "--steps", 2, "--resume", name=os.path.basename(run))
     assert train.list_checkpoints(run) == [os.path.join(run, "ckpt_0000002.pt")]
     fails("--n-layers must be an integer >= 1", "--n-layers", 0)
@@ -1382,7 +1607,7 @@ def test_hessian_top_eigenvalue_and_sam_against_full_hessian():
     inputs, targets, positions = _hessian_batch(n=8)
     H = hessian.exact_hessian(net, inputs, positions, targets).double()
     eigs = torch.linalg.eigvalsh((H + H.T) / 2)
-    top = eigs[eigs.abs().argmax()].item()
+    top = eigs.max().item()
     assert abs(hessian.top_eigenvalue(net, inputs, positions, targets, n_iter=30) - top) < 1e-3 * abs(top)
     # SAM: L(θ + ρ ĝ) - L(θ) = ρ‖g‖ + ½ρ² ĝᵀHĝ + O(ρ³), ĝ = g/‖g‖
     params = [p for p in net.parameters() if p.requires_grad]
@@ -1392,6 +1617,21 @@ def test_hessian_top_eigenvalue_and_sam_against_full_hessian():
     taylor = rho * g.norm() + 0.5 * rho ** 2 * unit @ H @ unit
     sam = hessian.sam_sharpness(net, inputs, positions, targets, rho=rho)
     assert abs(sam - taylor.item()) < 0.05 * taylor.item()
+
+
+def test_hessian_top_eigenvalue_is_the_largest_of_an_indefinite_hessian():
+    """Away from a minimiser (labels the model finds least likely) ∇²L is indefinite with
+    |λ_min| > λ_max: top_eigenvalue is λ_max, not the eigenvalue of largest magnitude."""
+    net = _hessian_net("lstm", seed=1, lstm_hidden=2, n_layers=1).double()
+    inputs, _, positions = _hessian_batch(n=8, seed=1)
+    unlikely = hessian.model_probs(net, inputs, positions).argmin(1)
+    H = hessian.exact_hessian(net, inputs, positions, unlikely)
+    eigs = torch.linalg.eigvalsh((H + H.T) / 2)
+    lowest, top = eigs[0].item(), eigs[-1].item()
+    assert top > 0 and -lowest > 1.1 * top                     # the case the test is about
+    assert abs(hessian.top_eigenvalue(net, inputs, positions, unlikely, n_iter=40) / top - 1) < 1e-6
+    lo, hi = hessian.lanczos_extremes(net, inputs, positions, unlikely, n_iter=40)
+    assert abs(lo / lowest - 1) < 1e-6 and abs(hi / top - 1) < 1e-6
 
 
 def test_hessian_trace_rejects_bad_input():
@@ -1470,9 +1710,25 @@ def test_hessian_cli_writes_one_row_per_checkpoint(tmp_path, capsys):
                   "--eig-iters", "2", "--device", "cpu"])
     row = json.loads(capsys.readouterr().out.strip())
     assert row["step"] == 7 and row["trace"] > 0 and row["n_sentences"] == 6
-    assert {"ckpt", "trace_std", "top_eigenvalue", "sam_sharpness"} <= set(row)
+    assert {"ckpt", "trace_std", "top_eigenvalue", "min_eigenvalue", "sam_sharpness"} <= set(row)
+    assert row["min_eigenvalue"] <= row["top_eigenvalue"]
     lines = (path.parent / "hessian.jsonl").read_text().splitlines()
     assert json.loads(lines[-1]) == row
+
+
+def test_hessian_cli_cpu_defaults_paper_switch_and_device(tmp_path, capsys):
+    path = str(_hessian_checkpoint(tmp_path))
+    settings = lambda a: (a.sentences, a.samples, a.repeats, a.hvp_sentences, a.eig_iters)
+    args = hessian.parse_args([path])
+    assert settings(args) == (300, 10, 5, 100, 10) and args.device == "cpu"
+    assert settings(hessian.parse_args([path, "--paper"])) == (10_000, 50, 5, 1000, 20)
+    assert settings(hessian.parse_args([path, "--paper", "--samples", "7", "--eig-iters", "3"])) \
+        == (10_000, 7, 5, 1000, 3)                             # explicit flags win over --paper
+    assert settings(hessian.parse_args([path, "--sentences", "40"]))[:2] == (40, 10)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            hessian.parse_args([path, "--device", "cuda"])
+        assert "--device cuda" in capsys.readouterr().err
 
 
 def test_hessian_cli_skips_lookup_table(tmp_path, capsys):

@@ -54,6 +54,7 @@ import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -89,7 +90,9 @@ SIZE_OVERRIDES = {"n_layers": "l", "n_heads": "nh", "lstm_hidden": "h"}
 SIZE_FIELDS_OF_OTHER_ARCH = {"transformer": {"lstm_hidden"}, "lstm": {"n_heads"}}
 
 # Arguments that may differ when resuming: they change speed, never results (on CPU).
-RUNTIME_ARGS = {"resume", "threads", "device", "compile", "runs"}
+RUNTIME_ARGS = {"threads", "device", "compile"}
+# Values of options that checkpoints written before the option existed do not store.
+STORED_DEFAULTS = {"decay_steps": 0, "branch_from": None}
 
 # Independent random streams, each a function of (seed, step, rank): see stream_seed().
 STREAMS = {"init": 1, "data": 2, "mask": 3, "dropout": 4, "pool": 5, "task": 6, "adv": 7,
@@ -187,6 +190,20 @@ def adversarial_loss(feats, tokens, labels, n_classes, n1, alpha, pad):
         return ((pred - Y[n1:].to(pred.dtype)) ** 2).sum(-1).mean()
 
 
+def training_objective(objective, inputs, targets, V, args, task_tokens=None, task_labels=None,
+                       n_classes=None):
+    """(L_MLM, the objective the update minimises, loss_D2 or None) for one batch: L_MLM
+    (§2.1) for adamw and sgd; L_MLM - lambda * loss_D2 for the adversarial algorithm (App. A.4),
+    which pushes the features away from what a linear head fitted on D1 predicts on D2."""
+    logits, feats = objective(inputs, task_tokens)
+    loss = mlm_loss(logits, targets, V)
+    if feats is None:
+        return loss, loss, None
+    adv = adversarial_loss(feats, task_tokens, task_labels, n_classes, args.adv_n1,
+                           args.adv_alpha, data.pad_id(V))
+    return loss, loss - args.adv_lambda * adv, adv
+
+
 class Objective(nn.Module):
     """The network plus what one step needs from it, in one forward, so DistributedDataParallel
     sees a single forward and averages the gradient of the whole objective across ranks."""
@@ -216,14 +233,18 @@ def make_optimizer(net, args):
 
 
 def lr_at(i, args):
-    """Learning rate of update i (0-based): linear warmup over the first `warmup` fraction
-    of the steps, then linear decay to 0 ("linear") or constant ("const")."""
-    w = max(1, round(args.warmup * args.steps))
+    """Learning rate of update i (0-based), App. A.3: linear warm-up over the first
+    args.warmup_steps updates, then linear decay to 0 at args.steps ("linear"), or constant
+    ("const") with, if args.decay_steps = N > 0, the last N updates decaying linearly to 0
+    (warmup-stable-decay: the decay branches of README, E1)."""
+    w = args.warmup_steps
     if i < w:
         return args.lr * (i + 1) / w
-    if args.schedule == "const":
+    if args.schedule == "linear":
+        return args.lr * (args.steps - i) / max(1, args.steps - w)
+    if i < args.steps - args.decay_steps:
         return args.lr
-    return args.lr * (args.steps - i) / max(1, args.steps - w)
+    return args.lr * (args.steps - i) / args.decay_steps
 
 
 # ------------------------------------------------------------------------- evaluation ---
@@ -322,12 +343,33 @@ def save_checkpoint(path, ckpt):
     os.replace(tmp, path)
 
 
+def read_checkpoint(path, device="cpu"):
+    """The checkpoint dict in file `path`, loaded safely (weights_only=True: no code runs);
+    FileNotFoundError or ValueError with a one-line message for anything else."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint file {path!r} (train.py writes "
+                                f"runs/NAME/ckpt_*.pt)")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:   # text, empty, truncated or foreign files all end up here
+        raise ValueError(f"{path} is not a readable train.py checkpoint (torch.load: "
+                         f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+                         ) from None
+    if isinstance(ckpt, dict) and "spec" in ckpt and "kind" not in ckpt:
+        raise ValueError(f"{path} is a data.py dataset, not a train.py checkpoint "
+                         f"(runs/NAME/ckpt_*.pt)")
+    need = {"kind", "language", "step", "args"}
+    if not isinstance(ckpt, dict) or not need <= set(ckpt) or ckpt["kind"] not in ("mlm",
+                                                                                   "lookup"):
+        raise ValueError(f"{path} is not a train.py checkpoint (a dict with "
+                         f"{', '.join(sorted(need))}; train.py writes runs/NAME/ckpt_*.pt)")
+    return ckpt
+
+
 def load_checkpoint(path, device="cpu"):
     """(model, ckpt, lang) from a checkpoint file, with the model built, loaded and in eval
     mode; for kind "lookup" the model is LookupTable(lang). Safe: weights_only=True."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint at {path!r} (train.py writes runs/NAME/ckpt_*.pt)")
-    ckpt = torch.load(path, map_location=device, weights_only=True)
+    ckpt = read_checkpoint(path, device)
     lang = data.language_from_spec(ckpt["language"])
     if ckpt["kind"] == "lookup":
         return LookupTable(lang), ckpt, lang
@@ -344,6 +386,8 @@ def check_args(args):
         args.warmup = WARMUP.get(args.algo, 0.0)
     if args.schedule is None:
         args.schedule = SCHEDULE.get(args.algo, "const")
+    if getattr(args, "warmup_steps", None) is None:   # fixed at the start: extending keeps it
+        args.warmup_steps = max(1, round(args.warmup * args.steps))
     if args.name is None and args.grow_from is None:
         size = "".join(f"-{tag}{getattr(args, k)}" for k, tag in SIZE_OVERRIDES.items()
                        if getattr(args, k) is not None)
@@ -375,8 +419,23 @@ def check_args(args):
         bad.append(f"--mask-rate must be in (0, 1] (got {args.mask_rate})")
     if not 0 <= args.warmup < 1:
         bad.append(f"--warmup is a fraction of --steps in [0, 1) (got {args.warmup})")
-    if not args.lr > 0:
-        bad.append(f"--lr must be > 0 (got {args.lr})")
+    for k, low in (("lr", 0), ("adv_alpha", 0)):
+        if not (math.isfinite(getattr(args, k)) and getattr(args, k) > low):
+            bad.append(f"--{k.replace('_', '-')} must be a finite number > {low} "
+                       f"(got {getattr(args, k)})")
+    for k in ("weight_decay", "adv_lambda"):
+        if not (math.isfinite(getattr(args, k)) and getattr(args, k) >= 0):
+            bad.append(f"--{k.replace('_', '-')} must be a finite number >= 0 "
+                       f"(got {getattr(args, k)})")
+    if args.decay_steps < 0:
+        bad.append(f"--decay-steps must be >= 0 (got {args.decay_steps})")
+    elif args.decay_steps and args.schedule != "const":
+        bad.append("--decay-steps needs --schedule const (the linear schedule decays already)")
+    elif args.decay_steps and args.decay_steps > args.steps - args.warmup_steps:
+        bad.append(f"--decay-steps {args.decay_steps} overlaps the warm-up: at most --steps "
+                   f"minus the {args.warmup_steps} warm-up steps")
+    if os.path.exists(args.runs) and not os.path.isdir(args.runs):
+        bad.append(f"--runs {args.runs} is a file; it must be a folder (created if missing)")
     if args.algo == "adversarial" and args.adv_n1 + args.adv_n2 > args.adv_pool:
         bad.append(f"--adv-n1 + --adv-n2 ({args.adv_n1} + {args.adv_n2}) exceed --adv-pool "
                    f"({args.adv_pool}): D1 and D2 must be disjoint subsets of it")
@@ -445,32 +504,27 @@ def grow_model(args):
     return big.train(), lang, source, small
 
 
-def resume_state(args, run_dir, lang, cfg):
-    """The checkpoint to resume from (None for a new run), checked against this run's
-    arguments, model config and language: any difference is an error, not a silent mix."""
-    ckpts = list_checkpoints(run_dir)
-    if args.resume is None:
-        if ckpts:
-            raise SystemExit(f"train.py: {run_dir} already holds checkpoints; pass --resume to "
-                             f"continue that run, or --name NEW for a new one")
+def start_state(args, run_dir, lang, cfg, world):
+    """The checkpoint this run starts from: its own latest (--resume), the source's
+    (--branch-from), or None (a new run); checked against this run's language, model and
+    number of processes, so that runs never silently mix."""
+    if args.resume is None and list_checkpoints(run_dir):
+        raise SystemExit(f"train.py: {run_dir} already holds checkpoints; pass --resume to "
+                         f"continue that run, or --name NEW for a new one")
+    path = args.resume if args.resume is not None else args.branch_from
+    if path is None:
         return None
-    path = ckpts[-1] if args.resume == "latest" and ckpts else args.resume
-    if path == "latest":
-        raise SystemExit(f"train.py: --resume: no checkpoint in {run_dir} to resume from")
-    if not os.path.isfile(path):
-        raise SystemExit(f"train.py: --resume: no checkpoint file {path!r}")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    diff = [k for k in sorted(set(ckpt["args"]) | set(vars(args)))
-            if k not in RUNTIME_ARGS and ckpt["args"].get(k) != vars(args).get(k)]
+    ckpt = read_checkpoint(path)                 # readable: parse_args has read it already
+    diff = []
     if ckpt["language"] != lang.spec():
-        diff.append("language (its spec differs)")
+        diff.append("its language (the spec differs)")
     if cfg is not None and ckpt.get("model_config") != dataclasses.asdict(cfg):
-        diff.append("model_config")
+        diff.append("its model_config")
+    if ckpt.get("world", 1) != world:          # data and masks are drawn per (step, rank)
+        diff.append(f"its number of processes ({ckpt.get('world', 1)}, now {world}: "
+                    f"use torchrun --nproc_per_node={ckpt.get('world', 1)})")
     if diff:
-        shown = ", ".join(f"{k}: checkpoint {ckpt['args'].get(k)!r} vs now {vars(args).get(k)!r}"
-                          if k in ckpt["args"] or k in vars(args) else k for k in diff)
-        raise SystemExit(f"train.py: --resume {path}: the checkpoint comes from another "
-                         f"configuration ({shown}); resume with the same arguments")
+        raise SystemExit(f"train.py: {path}: {'; '.join(diff)} differs from this run's")
     return ckpt
 
 
@@ -548,7 +602,7 @@ def train(args):
         lang = make_language(args.lang, args.lang_seed)
     else:
         grown, lang, source, small = grow_model(args)
-    V, pad = lang.vocab_size, data.pad_id(lang.vocab_size)
+    V = lang.vocab_size
     if args.algo == "adversarial":
         args.task = args.task if args.task is not None else lang.tasks[0]
         try:
@@ -559,16 +613,26 @@ def train(args):
     run_dir = os.path.join(args.runs, args.name)
     net = None if args.algo == "lookup" else build_model(args, lang) if args.grow_from is None else grown
     cfg = net.config if net is not None else None
-    ckpt = resume_state(args, run_dir, lang, cfg)
+    ckpt = start_state(args, run_dir, lang, cfg, world)
+    if ckpt is not None and args.resume is not None and (args.algo == "lookup"
+                                                         or ckpt["step"] >= args.steps):
+        print(f"{run_dir} is complete: its checkpoint {args.resume} is at step {ckpt['step']} "
+              f"of {args.steps}" + ("" if args.algo == "lookup" else
+                                    "; pass --steps N (larger) to continue a --schedule const run"))
+        return run_dir
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if rank == 0:
         os.makedirs(run_dir, exist_ok=True)
+        # rows logged past the checkpoint it starts from (all of them for a new run: a run
+        # killed before its first checkpoint is started again) would be duplicated
+        truncate_metrics(metrics_path, ckpt["step"] if args.resume is not None else -1)
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump({"args": vars(args), "language": lang.spec(),
                        "model_config": None if cfg is None else dataclasses.asdict(cfg),
                        "n_params": 0 if net is None else sum(p.numel() for p in net.parameters())},
                       f, indent=1)
     if args.algo == "lookup":
-        if rank == 0 and ckpt is None:   # resuming a lookup run: it is already complete
+        if rank == 0:
             write_lookup(args, lang, run_dir)
         return run_dir
 
@@ -576,14 +640,15 @@ def train(args):
     net.to(device)
     opt = make_optimizer(net, args)
     step, wall0, window = 0, 0.0, [0.0, 0, 0.0]       # window: loss sum, updates, adv-loss sum
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if ckpt is not None:
         net.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
-        step, wall0, window = ckpt["step"], ckpt["wall"], list(ckpt["window"])
+        step = ckpt["step"]
+        if args.resume is not None:   # a branch starts its own clock and loss window
+            wall0, window = ckpt["wall"], list(ckpt["window"])
         if rank == 0:
-            truncate_metrics(metrics_path, step)
-            print(f"resumed {run_dir} at step {step}")
+            print(f"{'resumed' if args.resume else 'branched from ' + args.branch_from} "
+                  f"{run_dir} at step {step}")
     objective = Objective(net)
     if args.compile:
         objective = torch.compile(objective)
@@ -592,6 +657,7 @@ def train(args):
             objective, device_ids=[device.index] if device.type == "cuda" else None)
     per_rank = args.batch // world
     pool = None if args.pool is None else lang.sentences(args.pool, seed=stream_seed(args.seed, "pool"))
+    n_classes = None
     if args.algo == "adversarial":
         task_tokens, _, task_labels = lang.task_data(args.task, args.adv_pool,
                                                      seed=stream_seed(args.seed, "task"))
@@ -615,7 +681,7 @@ def train(args):
                 "optimizer": opt.state_dict(), "step": step, "wall": wall0 + time.time() - t_start,
                 "window": list(window),
                 "rng": {"torch": torch.get_rng_state(), "seed": args.seed},
-                "language": lang.spec(), "args": vars(args)})
+                "language": lang.spec(), "args": vars(args), "world": world})
 
     # wall: seconds since the run began (resumes add up), evaluations included; tokens/s: of
     # the training steps since the last row only
@@ -650,13 +716,9 @@ def train(args):
                 idx = idx[:args.adv_n1 + args.adv_n2]               # D1 = first n1, D2 = the rest
                 task_batch = task_tokens[idx].to(device)
             with autocast:
-                logits, feats = objective(inputs.to(device), task_batch)
-                loss = mlm_loss(logits, targets.to(device), V)
-                total = loss
-                if feats is not None:
-                    adv = adversarial_loss(feats, task_batch, task_labels[idx].to(device),
-                                           n_classes, args.adv_n1, args.adv_alpha, pad)
-                    total = loss - args.adv_lambda * adv
+                loss, total, adv = training_objective(
+                    objective, inputs.to(device), targets.to(device), V, args, task_batch,
+                    None if task_batch is None else task_labels[idx].to(device), n_classes)
             loss_value = loss.item()
             if not math.isfinite(loss_value) or not math.isfinite(total.item()):
                 last = list_checkpoints(run_dir)
@@ -682,7 +744,7 @@ def train(args):
             if world > 1:
                 dist.all_reduce(sums)
                 sums /= world
-            row = {"step": step, "loss": float(sums[0] / sums[1]), "lr": lr_at(step - 1, args),
+            row = {"step": step, "loss": float(sums[0] / sums[1]), "lr": opt.param_groups[0]["lr"],
                    "tokens_per_s": tokens_window / (now - t_window), "wall": wall0 + now - t_start}
             if args.algo == "adversarial":
                 row["adv_loss"] = float(sums[2] / sums[1])
@@ -705,8 +767,9 @@ def train(args):
         # Lose nothing beyond the last completed update
         if rank == 0 and not os.path.isfile(ckpt_path(run_dir, step)):
             checkpoint(step)
-        raise SystemExit(f"train.py: interrupted after step {step}; wrote {ckpt_path(run_dir, step)}; "
-                         f"continue with the same arguments plus --resume")
+        raise SystemExit(f"train.py: interrupted after step {step}; wrote "
+                         f"{ckpt_path(run_dir, step)}; continue it with: python train.py "
+                         f"--runs {args.runs} --name {args.name} --resume")
     finally:
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
@@ -718,8 +781,11 @@ def train(args):
 # ------------------------------------------------------------------------------ CLI ---
 
 def parse_args(argv=None):
+    """The run's arguments: the command line, or, with --resume / --branch-from, the arguments
+    stored in the checkpoint with only the flags that may change replaced (see merge_stored)."""
     p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)    # so that given_flags sees every flag
     a = p.add_argument
     a("--lang", default=None, help=f"language: one of {', '.join(LANGUAGES)}, or a .json "
       "file holding a data.py spec() (default hmm-small: V=50, 20 states, T=16)")
@@ -742,24 +808,29 @@ def parse_args(argv=None):
     a("--grow-layers", type=int, default=None,
       help="with --grow-from: transformer blocks added on top (default 0; not for LSTMs)")
     a("--algo", default="adamw", choices=ALGOS, help="pre-training algorithm (default adamw; see above)")
-    a("--steps", type=int, default=3000, help="number of updates (default 3000); fixed for a run "
-      "(the schedule depends on it): to train far past convergence pick it large, --schedule const")
+    a("--steps", type=int, default=3000, help="number of updates (default 3000); with --resume: "
+      "a larger number extends a --schedule const run")
     a("--batch", type=int, default=256, help="global batch in sentences, split over processes")
     a("--lr", type=float, default=1e-2, help="peak learning rate (default 1e-2, tuned for the "
       "default tiny CPU model; the paper's 1e-3 (AdamW, SGD) is for its 2M-730M models)")
-    a("--warmup", type=float, default=None,
-      help="warmup as a fraction of --steps (default 0.06 adamw/adversarial, 0.12 sgd)")
+    a("--warmup", type=float, default=None, help="warm-up as a fraction of the first --steps "
+      "(default 0.06 adamw/adversarial, 0.12 sgd); fixed in steps at the run's start")
     a("--schedule", choices=("linear", "const"), default=None,
       help="after warmup: linear decay to 0, or constant (default linear; const for sgd)")
+    a("--decay-steps", type=int, default=0, help="with --schedule const: the last N updates "
+      "decay linearly to 0 (warmup-stable-decay; default 0: no decay)")
+    a("--branch-from", default=None, metavar="CKPT",
+      help="a decay branch: continue CKPT's run (model, optimizer, data stream) from its step S "
+      "as a new run with the lr decayed to 0 over --decay-steps N more updates (to S + N)")
     a("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
     a("--mask-rate", type=float, default=None,
       help="mask this fraction of tokens (App. E: 0.15) instead of one per sentence")
     a("--pool", type=int, default=None, help="train on a fixed pool of N sentences "
       "(uniform draws with replacement) instead of fresh samples every step")
     a("--task", default=None, help="adversarial: downstream task (default: the language's first)")
-    a("--adv-lambda", type=float, default=1.0,
-      help="adversarial: weight lambda of -loss_D2 (on hmm-small with lstm-62k, 1.0 diverged to NaN "
-           "at step 1668; 0.1 kept the KL within 0.004 nats of AdamW's: README, E3)")
+    a("--adv-lambda", type=float, default=0.1,
+      help="adversarial: weight lambda of -loss_D2 (default 0.1; 1.0 diverged to NaN on the "
+      "default setup at step 1668: the unbounded -loss_D2 term then dominates the MLM loss)")
     a("--adv-alpha", type=float, default=1.0,
       help="adversarial: ridge penalty relative to the mean squared feature norm")
     a("--adv-pool", type=int, default=4096, help="adversarial: downstream training set size")
@@ -772,31 +843,126 @@ def parse_args(argv=None):
     a("--ckpt-every", type=int, default=500, help="checkpoint every k steps (and at the last)")
     a("--name", default=None, help="run name: runs/NAME/ (default LANG-PRESET-ALGO-sSEED)")
     a("--runs", default="runs", help="parent folder of run directories (default runs/)")
-    a("--resume", nargs="?", const="latest", default=None,
-      help="continue runs/NAME from its latest checkpoint (or from the checkpoint file given)")
+    a("--resume", nargs="?", const="latest", default=None, help="continue runs/NAME (or the "
+      "run of the checkpoint file given) with its stored arguments from its latest checkpoint")
     a("--device", default="cpu", help="cpu (default) or cuda (bf16 autocast)")
     a("--compile", action="store_true", help="torch.compile the model (GPU runs)")
     a("--threads", type=int, default=1, help="torch threads per process (default 1: measured "
       "faster and steadier than 2 on a 2-core machine, see README)")
     args = p.parse_args(argv)
+    given = given_flags(p, sys.argv[1:] if argv is None else argv)
+    if args.resume is not None and args.branch_from is not None:
+        p.error("--resume continues a run in its own folder; --branch-from starts a new one: "
+                "give one of them")
+    if args.resume is not None or args.branch_from is not None:
+        return merge_stored(args, given)
     # Defaults filled here rather than by argparse, so that --grow-from can tell given flags
-    # apart; flags that did not exist when a checkpoint was written stay None, so --resume of
-    # older runs compares equal.
-    given = [f for f in ("lang", "lang_seed", "preset", *SIZE_OVERRIDES) if getattr(args, f) is not None]
+    # apart.
     if args.grow_from is None:
-        grow_flags = [f for f in ("grow_width", "grow_layers") if getattr(args, f) is not None]
+        grow_flags = [f for f in ("grow_width", "grow_layers") if f in given]
         if grow_flags:
             p.error(f"--{grow_flags[0].replace('_', '-')} needs --grow-from CKPT")
         args.lang = "hmm-small" if args.lang is None else args.lang
         args.lang_seed = 0 if args.lang_seed is None else args.lang_seed
         args.preset = "lstm-62k" if args.preset is None else args.preset
-    elif given:
-        p.error(f"--{given[0].replace('_', '-')} cannot be combined with --grow-from: the grown "
-                f"model's language and size come from the checkpoint (and --grow-width/-layers)")
     else:
+        clash = [f for f in ("lang", "lang_seed", "preset", *SIZE_OVERRIDES) if f in given]
+        if clash:
+            p.error(f"--{clash[0].replace('_', '-')} cannot be combined with --grow-from: the "
+                    f"grown model's language and size come from the checkpoint (and "
+                    f"--grow-width/-layers)")
         args.grow_width = 2 if args.grow_width is None else args.grow_width
         args.grow_layers = 0 if args.grow_layers is None else args.grow_layers
     return args
+
+
+def given_flags(parser, argv):
+    """The destinations of the options written on the command line `argv`."""
+    dest = {opt: act.dest for act in parser._actions for opt in act.option_strings}
+    flags = [str(t).split("=")[0] for t in argv]
+    return {dest[f] for f in flags if f in dest}
+
+
+def merge_stored(args, given):
+    """--resume and --branch-from: the arguments stored in the checkpoint, so nothing needs
+    retyping. Only flags that never change results (RUNTIME_ARGS), --steps (to extend a
+    constant-lr run) and, for a branch, --decay-steps, --name and the logging periods may be
+    given; any other flag that differs from the stored value is refused."""
+    what = "--resume" if args.branch_from is None else "--branch-from"
+    if args.branch_from is not None:
+        path = args.branch_from
+    elif args.resume != "latest":
+        path = args.resume
+    else:
+        if args.name is None:
+            raise SystemExit("train.py: --resume needs --name NAME (the run in --runs to "
+                             "continue) or a checkpoint file: --resume runs/NAME/ckpt_*.pt")
+        ckpts = list_checkpoints(os.path.join(args.runs, args.name))
+        if not ckpts:
+            raise SystemExit(f"train.py: --resume: no checkpoint in "
+                             f"{os.path.join(args.runs, args.name)}: a run that stopped before "
+                             f"its first checkpoint starts again without --resume")
+        path = ckpts[-1]
+    try:
+        ckpt = read_checkpoint(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"train.py: {what}: {e}")
+    if ckpt["kind"] != "mlm" and args.branch_from is not None:
+        raise SystemExit(f"train.py: --branch-from {path}: a {ckpt['kind']!r} checkpoint has "
+                         f"no network to train on")
+    stored = {**STORED_DEFAULTS, **ckpt["args"]}
+    stored.setdefault("warmup_steps", max(1, round(stored["warmup"] * stored["steps"])))
+    may_change = set(RUNTIME_ARGS) | {"steps", "name", "resume", "branch_from"}
+    if args.branch_from is not None:
+        may_change |= {"decay_steps", "eval_every", "log_every", "ckpt_every"}
+    diff = [k for k in sorted(given - may_change) if vars(args)[k] != stored.get(k)]
+    if diff:
+        shown = ", ".join(f"--{k.replace('_', '-')} {vars(args)[k]} (the run's: {stored.get(k)})"
+                          for k in diff)
+        raise SystemExit(f"train.py: {what} {path}: {shown}: a {what[2:]} keeps its run's "
+                         f"arguments; only --steps, --threads, --device and --compile may change")
+    merged = argparse.Namespace(**stored)
+    for k in RUNTIME_ARGS:
+        setattr(merged, k, getattr(args, k))
+    if args.branch_from is not None:
+        return branch_args(merged, args, given, ckpt)
+    merged.resume = path
+    merged.runs = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    merged.name = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    if "steps" in given and args.steps != stored["steps"]:
+        if args.steps < ckpt["step"]:
+            raise SystemExit(f"train.py: --resume {path}: the checkpoint is at step "
+                             f"{ckpt['step']}, past --steps {args.steps}")
+        if args.steps > stored["steps"] and (stored["schedule"] == "linear"
+                                             or stored["decay_steps"]):
+            raise SystemExit(f"train.py: --resume {path}: the run's learning rate decays to 0 "
+                             f"at its step {stored['steps']}, so it cannot be extended; extend "
+                             f"a --schedule const run, and decay it with --branch-from")
+        merged.steps = args.steps
+    return merged
+
+
+def branch_args(merged, args, given, ckpt):
+    """The arguments of a decay branch: the source run's, from its step S to S + --decay-steps
+    with the lr decayed linearly to 0 over those updates, in a new run folder."""
+    step, n = ckpt["step"], args.decay_steps
+    if merged.schedule != "const" or merged.decay_steps:
+        raise SystemExit(f"train.py: --branch-from {args.branch_from}: its run's learning rate "
+                         f"already decays; branch from a --schedule const run")
+    if n < 1:
+        raise SystemExit("train.py: --branch-from needs --decay-steps N >= 1 (the updates over "
+                         "which the learning rate decays to 0)")
+    if step < merged.warmup_steps:
+        raise SystemExit(f"train.py: --branch-from {args.branch_from}: step {step} is inside "
+                         f"the warm-up ({merged.warmup_steps} steps); branch after it")
+    for k in ("decay_steps", "eval_every", "log_every", "ckpt_every", "name", "runs"):
+        if k in given or k in ("decay_steps", "runs"):
+            setattr(merged, k, getattr(args, k))
+    merged.steps, merged.resume, merged.branch_from = step + n, None, args.branch_from
+    if "name" not in given:
+        source = os.path.basename(os.path.dirname(os.path.abspath(args.branch_from)))
+        merged.name = f"{source}-from{step}-decay{n}"
+    return merged
 
 
 def main(argv=None):
