@@ -17,9 +17,10 @@ compared on identical data and the reported std is the probe's own randomness (s
   model), then a linear softmax head trained with AdamW, lr 1e-3, batch 512, 100 epochs. The
   encoder is frozen, so features are computed once and the 100 epochs cost only the head.
   The authors' released probe (`run_lp.py`) had NO projection: it is `--no-projection` here.
-- Fine-tuning (App. A.4): the whole network plus a linear head on the first token's representation
-  (our languages have no CLS token), AdamW lr 1e-4, 200 warm-up steps then linear decay, 10 epochs,
-  batch 128, gradient clipping 1.0 (the authors' fine-tuning script).
+- Fine-tuning (App. A.4): the whole network plus a linear head on all tokens' features concatenated
+  (the paper's head reads BERT's CLS token; our languages have none, so it reads the linear probe's
+  representation, unprojected), AdamW lr 3e-3 (the paper's 1e-4 is for 0.1M examples), 200 warm-up
+  steps then linear decay, 10 epochs, batch 128, gradient clipping 1.0 (the authors' script).
 - SEEDS: both report mean ± std (sample std, ddof=1) over 5 seeds, as the paper does. Seed s changes
   the projection, the head's initialisation and the order of mini-batches (and dropout when
   fine-tuning); it does not change the downstream sample (use --data-seed for that).
@@ -46,6 +47,7 @@ import csv
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -61,7 +63,8 @@ PROJ_DIM = 512          # random Gaussian projection of the concatenated feature
 LINEAR_LR = 1e-3        # AdamW lr of the linear head
 LINEAR_EPOCHS = 100
 LINEAR_BATCH = 512      # the authors' run_lp.py
-FT_LR = 1e-4            # fine-tuning: whole network + head
+FT_LR = 3e-3            # fine-tuning: whole network + head. The paper's 1e-4 is for ~8k steps
+                        # (0.1M examples); 4000 give 320, where 1e-4 stays near the majority class
 FT_WARMUP = 200         # warm-up steps (capped at a tenth of all steps for short CPU runs)
 FT_EPOCHS = 10
 FT_BATCH = 128          # the authors' run_ft.py
@@ -71,8 +74,8 @@ N_SEEDS = 5
 N_TRAIN = 4000          # CPU-small default; the paper uses 0.1M examples per task
 N_TEST = 2000
 FEATURE_BATCH = 512     # sentences per forward pass when extracting frozen features
-HESSIAN_COLUMNS = ["trace", "trace_std", "top_eigenvalue", "sam_sharpness"]
-METRIC_COLUMNS = ["eval_loss", "entropy", "kl"]
+HESSIAN_COLUMNS = ["trace", "trace_std", "top_eigenvalue", "min_eigenvalue", "sam_sharpness"]
+METRIC_COLUMNS = ["eval_loss", "entropy", "kl", "kl_se"]
 
 
 def log(msg):
@@ -173,7 +176,7 @@ def gaussian_projection(in_dim, out_dim, generator):
 
 def linear_probe(x_train, y_train, x_test, y_test, n_classes, seed, proj_dim=PROJ_DIM,
                  epochs=LINEAR_EPOCHS, lr=LINEAR_LR, batch_size=LINEAR_BATCH):
-    """Test accuracy of a linear softmax head on frozen features (App. A.4).
+    """Correctness (bool [n_test]) of a linear softmax head on frozen features (App. A.4).
 
     x_* are [n, D] features (from concat_features). With proj_dim, both splits go through the same
     Gaussian projection [D, proj_dim] drawn from `seed`; proj_dim=None uses the features as they are
@@ -206,38 +209,50 @@ def linear_probe(x_train, y_train, x_test, y_test, n_classes, seed, proj_dim=PRO
             loss.backward()
             opt.step()
     with torch.no_grad():
-        return (x_test @ W.T + b).argmax(1).eq(y_test).float().mean().item()
+        return (x_test @ W.T + b).argmax(1).eq(y_test).cpu()
 
 
 # ----------------------------------------------------------------------------- fine-tuning
+def sentence_features(net, tokens, lengths, width, device="cpu"):
+    """concat_features with gradients (App. A.4): [B, width*d], zero past each sentence's end."""
+    h = net.features(tokens.to(device))                                              # (B, T, d)
+    real = torch.arange(tokens.shape[1], device=device)[None, :] < lengths[:, None].to(device)
+    h = F.pad(h * real[:, :, None], (0, 0, 0, width - tokens.shape[1]))              # (B, width, d)
+    return h.flatten(1)
+
+
 def finetune(model, train_split, test_split, n_classes, seed, epochs=FT_EPOCHS, lr=FT_LR,
              warmup=FT_WARMUP, batch_size=FT_BATCH, device="cpu"):
-    """Test accuracy after fine-tuning the whole network plus a linear head on the first token (App. A.4).
+    """Test accuracy after fine-tuning the whole network plus a linear head (App. A.4).
 
+    The paper's head reads BERT's CLS token; our languages have none, so the head reads the linear
+    probe's representation, all tokens' features concatenated (App. A.4), with gradients.
     Schedule: linear warm-up for min(200, total_steps // 10) steps, then linear decay to 0 (BERT's).
     The checkpoint's model is not modified (a copy is trained).
     """
     if not any(True for _ in model.parameters()):
-        raise ValueError("this checkpoint has no weights to fine-tune (a lookup table); use --method linear")
-    (tok, lengths, y), (tok_test, _, y_test) = train_split, test_split
+        raise ValueError("this checkpoint has no weights to fine-tune (a lookup table); "
+                         "use --method linear")
+    (tok, lengths, y), (tok_test, lengths_test, y_test) = train_split, test_split
+    width = max(tok.shape[1], tok_test.shape[1])  # one head for both splits: T*d inputs
     g = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng(devices=[]):       # dropout draws from the global RNG: seed it, then restore
+    with torch.random.fork_rng(devices=[]):  # dropout draws from the global RNG: seed, then restore
         torch.manual_seed(seed)
         net = copy.deepcopy(model).to(device).train()
         d = net.features(tok[:1].to(device)).shape[-1]
-        head = torch.nn.Linear(d, n_classes).to(device)
+        head = torch.nn.Linear(width * d, n_classes).to(device)
         params = list(net.parameters()) + list(head.parameters())
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
         n = len(tok)
         total = epochs * math.ceil(n / batch_size)
         warm = max(1, min(warmup, total // 10))
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm)))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (
+            (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm))))
         for _ in range(epochs):
             perm = torch.randperm(n, generator=g)
             for i in range(0, n, batch_size):
                 idx = perm[i:i + batch_size]
-                logits = head(net.features(tok[idx].to(device))[:, 0])              # (B, C) first token
+                logits = head(sentence_features(net, tok[idx], lengths[idx], width, device))
                 loss = F.cross_entropy(logits, y[idx].to(device))
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -248,7 +263,9 @@ def finetune(model, train_split, test_split, n_classes, seed, epochs=FT_EPOCHS, 
         with torch.no_grad():
             correct = 0
             for i in range(0, len(tok_test), FEATURE_BATCH):
-                logits = head(net.features(tok_test[i:i + FEATURE_BATCH].to(device))[:, 0])
+                x = sentence_features(net, tok_test[i:i + FEATURE_BATCH],
+                                      lengths_test[i:i + FEATURE_BATCH], width, device)
+                logits = head(x)
                 correct += logits.argmax(1).eq(y_test[i:i + FEATURE_BATCH].to(device)).sum().item()
     return correct / len(tok_test)
 
@@ -268,6 +285,7 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
     t0 = time.time()
     model, ckpt, lang = train.load_checkpoint(path, device=device)
     name = os.path.basename(path)
+    task = lang.tasks[0] if task is None else task
     n_classes = check_task(lang, task, where=f"{path}: ")
     if method == "finetune" and ckpt.get("kind") == "lookup":
         raise ValueError(f"{path} is a lookup table: it has no weights to fine-tune; probe it with --method linear")
@@ -286,7 +304,7 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
     if max_len is not None and train_split[0].shape[1] > max_len:
         raise ValueError(f"{path}: task sentences have width {train_split[0].shape[1]} > the model's max_len {max_len}")
     seeds = list(range(n_seeds))
-    accs = []
+    accs, n_correct = [], torch.zeros(n_test, dtype=torch.long)   # seeds right, per test sentence
     if method == "linear":
         t = time.time()
         # a lookup table computes exact conditionals (slow for PCFG/teacher): small batches, visible progress
@@ -296,9 +314,11 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
         log(f"[probe] {name}: features {tuple(x_train.shape)} + {tuple(x_test.shape)} in {time.time() - t:.1f}s")
         for s in seeds:
             t = time.time()
-            accs.append(linear_probe(x_train, train_split[2], x_test, test_split[2], n_classes, seed=s,
-                                     proj_dim=PROJ_DIM if projection else None,
-                                     epochs=LINEAR_EPOCHS if epochs is None else epochs))
+            correct = linear_probe(x_train, train_split[2], x_test, test_split[2], n_classes,
+                                   seed=s, proj_dim=PROJ_DIM if projection else None,
+                                   epochs=LINEAR_EPOCHS if epochs is None else epochs)
+            n_correct += correct.long()
+            accs.append(correct.float().mean().item())
             log(f"[probe] {name}: linear seed {s + 1}/{n_seeds} acc {accs[-1]:.4f} ({time.time() - t:.1f}s)")
     else:
         for s in seeds:
@@ -314,10 +334,84 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
             "projection": (PROJ_DIM if projection else None) if method == "linear" else None,
             "epochs": (LINEAR_EPOCHS if method == "linear" else FT_EPOCHS) if epochs is None else epochs,
             "lr": LINEAR_LR if method == "linear" else FT_LR, "task_file": task_file,
+            "n_correct": n_correct.tolist() if method == "linear" else None,
             "wall_s": round(time.time() - t0, 2)}
 
 
+# ----------------------------------------------------------------------------- summary: statistics
+# The evidence of §4 is a correlation between flatness and accuracy among models of (nearly) the
+# same pre-training loss. These statistics keep the loss in view (R² on KL beside R² on the trace,
+# and the trace's partial r² given KL), keep groups of runs apart, and compare two checkpoints on
+# the same test sentences with the standard error of the paired difference.
+
+def regression(x, y):
+    """(R², slope) of the least-squares line y ~ a + b x; (nan, nan) if x or y is constant."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    dx, dy = x - x.mean(), y - y.mean()
+    sxx, syy, sxy = (dx * dx).sum(), (dy * dy).sum(), (dx * dy).sum()
+    if sxx == 0 or syy == 0:
+        return float("nan"), float("nan")
+    return float(sxy * sxy / (sxx * syy)), float(sxy / sxx)
+
+
+def r_squared(x, y):
+    """R² of the least-squares line y ~ a + b x (= squared Pearson correlation); nan if constant."""
+    return regression(x, y)[0]
+
+
+def partial_r2(y, x, z):
+    """(partial r², sign) of y on x given z: the squared correlation of the residuals of y and
+    of x after each is regressed on z (with intercept), i.e. the share of the variance of y
+    left unexplained by z that x explains; the sign is that of x's coefficient."""
+    y, x, z = (np.asarray(v, dtype=np.float64) for v in (y, x, z))
+    Z = np.stack([np.ones_like(z), z], 1)
+    ry = y - Z @ np.linalg.lstsq(Z, y, rcond=None)[0]
+    rx = x - Z @ np.linalg.lstsq(Z, x, rcond=None)[0]
+    r2, slope = regression(rx, ry)
+    return r2, float(np.sign(slope)) if math.isfinite(slope) else float("nan")
+
+
+def paired_difference(n_correct_a, n_correct_b, n_seeds):
+    """(acc_b - acc_a, its standard error) of two checkpoints probed on the SAME test sentences:
+    with c_i the fraction of probe seeds correct on sentence i, d_i = c_b,i - c_a,i and
+    se = std(d, ddof=1) / sqrt(n), the exact standard error of a mean of n paired differences
+    (test-set noise; probe-seed noise is averaged into c)."""
+    a = np.asarray(n_correct_a, dtype=np.float64) / n_seeds
+    b = np.asarray(n_correct_b, dtype=np.float64) / n_seeds
+    if a.shape != b.shape:
+        raise ValueError(f"paired comparison needs the same test sentences; got {a.size} and "
+                         f"{b.size}")
+    d = b - a
+    return float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size))
+
+
+def mean_se(values):
+    """(mean, standard error std(ddof=1)/sqrt(k)) over k training seeds; se None for k = 1."""
+    v = np.asarray(values, dtype=np.float64)
+    return float(v.mean()), (float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 else None)
+
+
+def match_kl(kl, kl_se, candidates):
+    """Matched-KL pairing: the candidate rows (dicts with kl, kl_se) sorted by |KL - kl|, and
+    for the nearest the margin in units of the combined standard error sqrt(se² + se_c²);
+    a pair counts as matched ("same loss") when that margin is below 2."""
+    ranked = sorted(candidates, key=lambda r: abs(r["kl"] - kl))
+    margin = abs(ranked[0]["kl"] - kl) / math.sqrt(kl_se ** 2 + ranked[0]["kl_se"] ** 2)
+    return ranked, margin
+
+
+def run_group(name):
+    """(group, seed) of a run named GROUP-sSEED (train.py's default names end so); a name
+    without that suffix is a group of its own, seed None."""
+    m = re.fullmatch(r"(.*)-s(\d+)", name)
+    return (m.group(1), int(m.group(2))) if m else (name, None)
+
+
 # ----------------------------------------------------------------------------- summary table
+PROBE_SETTINGS = ("n_train", "n_test", "data_seed", "projection", "epochs", "seeds", "language")
+HESSIAN_SETTINGS = ("n_sentences", "n_samples", "n_repeats", "seed", "sentence_seed")
+
+
 def read_jsonl(path):
     """Rows of a JSON-lines file ([] when the file does not exist)."""
     if not os.path.exists(path):
@@ -326,43 +420,50 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def r_squared(x, y):
-    """R² of the least-squares line y ~ a + b x (= squared Pearson correlation); nan if x or y is constant."""
-    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    dx, dy = x - x.mean(), y - y.mean()
-    sxx, syy, sxy = (dx * dx).sum(), (dy * dy).sum(), (dx * dy).sum()
-    if sxx == 0 or syy == 0:
-        return float("nan")
-    return float(sxy * sxy / (sxx * syy))
-
-
-def summary_table(run_dirs):
+def summary_table(run_dirs, min_step=0):
     """Join metrics.jsonl (eval row at each step), hessian.jsonl and probe.jsonl by (run, step).
 
-    Rows: every checkpoint step that has a hessian or probe row. Columns: run, step, eval_loss,
-    entropy, kl, the hessian measures, and `{method}_{task}_acc` / `_acc_std` per probe setting
-    (`linear_{task}_noproj_acc` for --no-projection). The latest row wins where a step was measured
-    twice with the same setting. Missing values are None.
+    Rows: every checkpoint step >= min_step that has a hessian or probe row. Columns: run, group,
+    seed, step, the eval metrics, the hessian measures, and `{method}_{task}_acc` / `_acc_std`
+    per probe setting (`linear_{task}_noproj_acc` for --no-projection); each row also carries
+    the per-sentence counts `{column}_n_correct` for paired comparisons. The latest row wins where
+    a step was measured twice. Missing values are None. Runs of different languages, or rows of
+    one column measured with different settings, are refused (ValueError naming the run).
     """
-    rows, probe_cols = [], []
+    rows, probe_cols, seen = [], [], {}
     for run in run_dirs:
         if not os.path.isdir(run):
             raise ValueError(f"{run} is not a run directory (expected runs/NAME with metrics.jsonl)")
+        name = os.path.basename(os.path.normpath(run))
+        config = os.path.join(run, "config.json")
+        if os.path.isfile(config):
+            with open(config) as f:
+                spec = json.dumps(json.load(f).get("language"), sort_keys=True)
+            first = seen.setdefault("language", (name, spec))
+            if first[1] != spec:
+                raise ValueError(f"{name} and {first[0]} are trained on different languages: "
+                                 f"their accuracies and KLs are not comparable")
         evals = {r["step"]: r for r in read_jsonl(os.path.join(run, "metrics.jsonl")) if "eval_loss" in r}
         hess = {r["step"]: r for r in read_jsonl(os.path.join(run, "hessian.jsonl"))}
+        for r in hess.values():
+            _check_same(seen, "hessian.py", name, r, HESSIAN_SETTINGS)
         probes = {}
         for r in read_jsonl(os.path.join(run, "probe.jsonl")):
             col = f"{r['method']}_{r['task']}"
             if r["method"] == "linear" and "projection" in r and r["projection"] is None:
                 col += "_noproj"                  # a different probe: its own column
+            _check_same(seen, f"probe.py {col}", name, r, PROBE_SETTINGS)
             if col not in probe_cols:
                 probe_cols.append(col)
             probes.setdefault(r["step"], {})[col] = r
-        steps = sorted(set(hess) | set(probes))
+        steps = sorted(s for s in set(hess) | set(probes) if s >= min_step)
         if not steps:
-            log(f"[summary] {run}: no hessian.jsonl or probe.jsonl rows; run hessian.py / probe.py on its checkpoints")
+            raise ValueError(f"{run} has no hessian.jsonl or probe.jsonl rows"
+                             f"{f' at steps >= {min_step}' if min_step else ''}: run hessian.py "
+                             f"and probe.py on its checkpoints first")
+        group, seed = run_group(name)
         for step in steps:
-            row = {"run": os.path.basename(os.path.normpath(run)), "step": step}
+            row = {"run": name, "group": group, "seed": seed, "step": step}
             row.update({c: evals.get(step, {}).get(c) for c in METRIC_COLUMNS})
             row.update({c: hess.get(step, {}).get(c) for c in HESSIAN_COLUMNS})
             rows.append((row, probes.get(step, {})))
@@ -373,26 +474,119 @@ def summary_table(run_dirs):
         for c in probe_cols:
             row[f"{c}_acc"] = p.get(c, {}).get("acc")
             row[f"{c}_acc_std"] = p.get(c, {}).get("acc_std")
+            row[f"{c}_n_correct"] = p.get(c, {}).get("n_correct")
+            row[f"{c}_n_seeds"] = len(p.get(c, {}).get("seeds", [])) or None
         table.append(row)
     return columns, table
 
 
-def regressions(columns, table):
-    """R² of each accuracy column on the trace over the rows that have both: [(column, rows used, r2)].
-
-    r2 is None below 3 rows (two points always lie on a line: R² = 1 says nothing).
-    """
-    out = []
-    for c in columns:
-        if c.endswith("_acc"):
-            used = [r for r in table if _finite(r.get("trace")) and _finite(r.get(c))]
-            r2 = r_squared([r["trace"] for r in used], [r[c] for r in used]) if len(used) >= 3 else None
-            out.append((c, used, r2))
-    return out
+def _check_same(seen, what, run, row, keys):
+    """Refuse rows of one measurement made with different settings (a silently mixed table)."""
+    settings = {k: row.get(k) for k in keys}
+    first_run, first = seen.setdefault(what, (run, settings))
+    diff = [f"{k} {settings[k]!r} vs {first[k]!r}" for k in keys if settings[k] != first[k]]
+    if diff:
+        raise ValueError(f"{run}: its {what} rows were measured with other settings than "
+                         f"{first_run}'s ({', '.join(diff)}); measure both alike")
 
 
 def _finite(v):
     return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def correlations(table, acc_col):
+    """Per group (and pooled when there are several, marked as such): [(label, n, stats)]
+    with stats R² and slope sign of accuracy on the trace, on KL and on log KL, and the trace's
+    partial r² given KL (None where fewer than 3, or for partial r² 4, rows have all three)."""
+    used = [r for r in table if all(_finite(r.get(c)) for c in ("trace", "kl", acc_col))]
+    groups = {}
+    for r in used:
+        groups.setdefault(r["group"], []).append(r)
+    sets = list(groups.items()) + ([("pooled over groups", used)] if len(groups) > 1 else [])
+    out = []
+    for label, rows in sets:
+        acc, trace, kl = ([r[c] for r in rows] for c in (acc_col, "trace", "kl"))
+        stats = {}
+        if len(rows) >= 3:
+            stats["trace"], stats["kl"] = regression(trace, acc), regression(kl, acc)
+            if min(kl) > 0:
+                stats["log_kl"] = regression(np.log(kl), acc)
+        if len(rows) >= 4:
+            stats["partial"] = partial_r2(acc, trace, kl)
+        out.append((label, len(rows), stats))
+    return out
+
+
+def compare(table, acc_col, spec_a, spec_b):
+    """Paired comparison of checkpoints A and B of the same training seed (README, E1):
+    spec GROUP@STEP, STEP an integer or `last`; B's STEP may be `kl`: the checkpoint of B with
+    the KL nearest to A's (the matched-KL rule of match_kl). Returns printable lines."""
+    def parse(spec):
+        group, _, step = spec.rpartition("@")
+        if not group or not (step.isdigit() or step in ("last", "kl")):
+            raise ValueError(f"--compare {spec!r}: expected GROUP@STEP with STEP a number, "
+                             f"'last' or (second only) 'kl'")
+        return group, step
+    (ga, sa), (gb, sb) = parse(spec_a), parse(spec_b)
+    if sa == "kl":
+        raise ValueError(f"--compare {spec_a!r}: only the second checkpoint can be matched by KL")
+    by_seed = {}
+    for r in table:
+        if r["group"] in (ga, gb) and _finite(r.get(acc_col)):
+            by_seed.setdefault((r["group"], r["seed"]), []).append(r)
+    seeds = sorted({s for g, s in by_seed if g == ga} & {s for g, s in by_seed if g == gb},
+                   key=lambda s: -1 if s is None else s)
+    if not seeds:
+        raise ValueError(f"--compare: no training seed has probed checkpoints in both {ga!r} and "
+                         f"{gb!r} (groups: {sorted({r['group'] for r in table})})")
+    lines, diffs, next_diffs = [f"paired comparison of {acc_col}: B = {spec_b} minus "
+                                f"A = {spec_a}, on the same test sentences"], [], []
+    for seed in seeds:
+        rows_a, rows_b = by_seed[(ga, seed)], by_seed[(gb, seed)]
+        a = pick(rows_a, sa, spec_a)
+        ranked, margin = ([pick(rows_b, sb, spec_b)], None) if sb != "kl" else match_kl(
+            a["kl"], a["kl_se"], [r for r in rows_b if _finite(r.get("kl_se"))])
+        b = ranked[0]
+        d, se = _paired(a, b, acc_col)
+        diffs.append(d)
+        text = (f"  seed {seed}: A {a['run']}@{a['step']} (KL {a['kl']:.4f} ± {a['kl_se']:.4f}, "
+                f"acc {a[acc_col]:.4f})  B {b['run']}@{b['step']} (KL {b['kl']:.4f} ± "
+                f"{b['kl_se']:.4f}, acc {b[acc_col]:.4f})  diff {d:+.4f} ± {se:.4f} (test set)")
+        if margin is not None:
+            text += f"; |dKL| = {margin:.1f} se ({'matched' if margin < 2 else 'NOT matched'})"
+            if len(ranked) > 1:
+                d2, _ = _paired(a, ranked[1], acc_col)
+                next_diffs.append(d2)
+                text += f"; next-best B@{ranked[1]['step']}: diff {d2:+.4f}"
+        lines.append(text)
+    m, se = mean_se(diffs)
+    verdict = ("" if se is None else
+               f" -> {'exceeds' if abs(m) > 2 * se else 'within'} 2 se across seeds")
+    lines.append(f"  mean over {len(diffs)} seeds: {m:+.4f}" +
+                 ("" if se is None else f" ± {se:.4f} (se over seeds)") + verdict +
+                 f"; {sum(d > 0 for d in diffs)}/{len(diffs)} seeds positive")
+    if next_diffs and len(next_diffs) == len(diffs):
+        lines.append(f"  with the next-best KL match instead: {mean_se(next_diffs)[0]:+.4f}")
+    return lines
+
+
+def pick(rows, step, spec):
+    """The row of `rows` at STEP (a number or `last`)."""
+    if step == "last":
+        return max(rows, key=lambda r: r["step"])
+    match = [r for r in rows if r["step"] == int(step)]
+    if not match:
+        raise ValueError(f"--compare {spec}: no probed checkpoint at step {step} in "
+                         f"{rows[0]['run']} (steps: {sorted(r['step'] for r in rows)})")
+    return match[0]
+
+
+def _paired(a, b, acc_col):
+    """Paired difference of rows a, b; (plain difference, nan) for rows without n_correct."""
+    ca, cb = a.get(acc_col[:-4] + "_n_correct"), b.get(acc_col[:-4] + "_n_correct")
+    if ca is None or cb is None:
+        return b[acc_col] - a[acc_col], float("nan")
+    return paired_difference(ca, cb, a[acc_col[:-4] + "_n_seeds"])
 
 
 def _fmt(v):
@@ -403,22 +597,35 @@ def _fmt(v):
     return str(v)
 
 
-def print_summary(columns, table, csv_path=None):
-    """Print the table and the R² lines; write the CSV (empty cells for missing values) if asked."""
+def _fmt_fit(fit):
+    r2, slope = fit
+    return f"{r2:.3f} ({'+' if slope > 0 else '-' if slope < 0 else '0'})"
+
+
+def print_summary(columns, table, csv_path=None, comparisons=()):
+    """Print the table, the correlations per group and the paired comparisons; write the CSV
+    (empty cells for missing values) if asked."""
     cells = [[_fmt(r.get(c)) for c in columns] for r in table]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for row in cells:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
-    for c, used, r2 in regressions(columns, table):
-        runs = ", ".join(sorted({r["run"] for r in used}))
-        if r2 is None:
-            print(f"R² of {c} on trace: needs >= 3 checkpoints with both a trace and an accuracy; "
-                  f"found {len(used)}")
-        elif math.isnan(r2):
-            print(f"R² of {c} on trace: undefined over {len(used)} rows (trace or accuracy is constant)")
-        else:
-            print(f"R² of {c} on trace: {r2:.3f} over the {len(used)} rows with both (runs: {runs})")
+    for acc_col in [c for c in columns if c.endswith("_acc")]:
+        print(f"{acc_col}: R² (slope sign) on trace | on KL | on log KL | partial r² of trace "
+              f"given KL")
+        for label, n, st in correlations(table, acc_col):
+            if "trace" not in st:
+                print(f"  {label}: needs >= 3 checkpoints with a trace, a KL and an accuracy; "
+                      f"found {n}")
+                continue
+            log_kl = _fmt_fit(st["log_kl"]) if "log_kl" in st else "-"
+            part = _fmt_fit(st["partial"]) if "partial" in st else "- (needs 4)"
+            print(f"  {label} ({n} checkpoints): {_fmt_fit(st['trace'])} | {_fmt_fit(st['kl'])} "
+                  f"| {log_kl} | {part}")
+    for spec_a, spec_b in comparisons:
+        acc_col = next(c for c in columns if c.endswith("_acc"))
+        for line in compare(table, acc_col, spec_a, spec_b):
+            print(line)
     if csv_path:
         with open(csv_path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=columns)
@@ -428,50 +635,109 @@ def print_summary(columns, table, csv_path=None):
         print(f"wrote {csv_path}")
 
 
+def plot_summary(table, path):
+    """Figures like the paper's: KL, trace and accuracy against step per run (Figs. 1, 3), and
+    accuracy against trace by group (Figs. 4, 5); matplotlib is optional and imported here."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib, which is not installed: "
+                         "pip install matplotlib") from None
+    acc_col = next((k for k in table[0] if k.endswith("_acc")), None)
+    panels = [("kl", "KL(truth || model), nats"), ("trace", "Tr[H] (Fisher)"),
+              (acc_col, acc_col)]
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    groups = sorted({r["group"] for r in table})
+    colour = {g: f"C{i % 10}" for i, g in enumerate(groups)}
+    for run in dict.fromkeys(r["run"] for r in table):
+        rows = [r for r in table if r["run"] == run]
+        for ax, (col, label) in zip(axes, panels):
+            pts = [(r["step"], r[col]) for r in rows if col and _finite(r.get(col))]
+            if pts:
+                ax.plot(*zip(*pts), "o-", color=colour[rows[0]["group"]], alpha=0.7, ms=3)
+            ax.set(xlabel="step", ylabel=label)
+    for g in groups:
+        pts = [(r["trace"], r[acc_col]) for r in table
+               if r["group"] == g and _finite(r.get("trace")) and _finite(r.get(acc_col))]
+        if pts:
+            axes[3].scatter(*zip(*pts), color=colour[g], label=g, s=14)
+    axes[3].set(xlabel="Tr[H] (Fisher)", ylabel=acc_col)
+    axes[3].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 # ----------------------------------------------------------------------------- CLI
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("paths", nargs="+", help="checkpoints runs/NAME/ckpt_*.pt to probe; with --summary, run directories")
-    p.add_argument("--summary", action="store_true", help="join metrics/hessian/probe rows of the given run directories into one table with R²")
-    p.add_argument("--csv", default=None, help="with --summary: also write the table to this CSV file")
-    p.add_argument("--task", default=None, help="downstream task of the checkpoint's language (PCFG: A, B, C; HMM: k, e.g. 6; teacher: its task)")
-    p.add_argument("--method", choices=["linear", "finetune"], default="linear", help="linear probe (default) or full fine-tuning (App. A.4)")
-    p.add_argument("--n-train", type=int, default=N_TRAIN, help=f"downstream training examples (default {N_TRAIN}; paper 0.1M)")
-    p.add_argument("--n-test", type=int, default=N_TEST, help=f"held-out test examples (default {N_TEST})")
-    p.add_argument("--seeds", type=int, default=N_SEEDS, help=f"number of seeds 0..N-1 for mean ± std (default {N_SEEDS})")
-    p.add_argument("--data-seed", type=int, default=0, help="seed of the downstream sample (the same for every checkpoint and probe seed)")
-    p.add_argument("--no-projection", action="store_true", help="no random projection to 512 dims (what the authors' released probe did)")
-    p.add_argument("--epochs", type=int, default=None, help=f"training epochs (default {LINEAR_EPOCHS} linear, {FT_EPOCHS} fine-tuning)")
-    p.add_argument("--task-file", default=None, help="use a dataset written by `data.py --out` instead of sampling the task")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, like train.py's --threads)")
+    a = p.add_argument
+    a("paths", nargs="+", help="checkpoints runs/NAME/ckpt_*.pt to probe; with --summary, run "
+      "directories")
+    a("--summary", action="store_true", help="join the metrics/hessian/probe rows of run "
+      "directories into one table, with R² per group")
+    a("--compare", nargs=2, action="append", default=[], metavar=("A", "B"),
+      help="with --summary: paired accuracy difference B - A per training seed, each GROUP@STEP "
+      "(STEP: a number or last; B's may be kl: nearest KL)")
+    a("--min-step", type=int, default=0, help="with --summary: only checkpoints at steps >= this")
+    a("--csv", default=None, help="with --summary: also write the table to this CSV file")
+    a("--plot", default=None, help="with --summary: draw the figures to this PNG (matplotlib)")
+    a("--task", default=None, help="downstream task (PCFG: A, B, C; HMM: k, e.g. 6; default: "
+      "the language's first)")
+    a("--method", choices=["linear", "finetune"], default="linear",
+      help="linear probe (default) or full fine-tuning (App. A.4)")
+    a("--n-train", type=int, default=N_TRAIN, help=f"downstream training examples (default "
+      f"{N_TRAIN}; paper 0.1M)")
+    a("--n-test", type=int, default=N_TEST, help=f"held-out test examples (default {N_TEST})")
+    a("--seeds", type=int, default=N_SEEDS, help=f"probe seeds 0..N-1 (default {N_SEEDS})")
+    a("--data-seed", type=int, default=0, help="seed of the downstream sample (the same for "
+      "every checkpoint and probe seed)")
+    a("--no-projection", action="store_true", help="no random projection to 512 dims (what "
+      "the authors' released probe did)")
+    a("--epochs", type=int, default=None, help=f"training epochs (default {LINEAR_EPOCHS} "
+      f"linear, {FT_EPOCHS} fine-tuning)")
+    a("--task-file", default=None, help="use a dataset written by `data.py --out` instead of "
+      "sampling the task")
+    a("--device", default="cpu", help="cpu (default) or cuda")
+    a("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     args = p.parse_args(argv)
-    if args.threads < 1:
-        p.error(f"--threads must be >= 1 (got {args.threads})")
+    bad = [f"--{k.replace('_', '-')} must be >= 1 (got {getattr(args, k)})"
+           for k in ("threads", "seeds", "epochs", "n_train", "n_test")
+           if getattr(args, k) is not None and getattr(args, k) < 1]
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        bad.append("--device cuda asked for, but torch.cuda.is_available() is False")
+    for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
+        if path and (os.path.isdir(path) or not os.path.isdir(os.path.dirname(path) or ".")):
+            bad.append(f"{flag} {path}: must be a file in an existing folder")
+    if bad:
+        p.error("; ".join(bad))
     torch.set_num_threads(args.threads)
 
     if args.summary:
         try:
-            columns, table = summary_table(args.paths)
+            columns, table = summary_table(args.paths, args.min_step)
+            print_summary(columns, table, args.csv, args.compare)
+            if args.plot:
+                plot_summary(table, args.plot)
         except ValueError as e:
             sys.exit(f"probe.py: error: {e}")
-        print_summary(columns, table, args.csv)
         return
-    if args.seeds < 1 or (args.epochs is not None and args.epochs < 1):
-        p.error("--seeds and --epochs must be >= 1")
-    if args.task is None:
-        p.error("--task is required to probe checkpoints (e.g. --task C for a PCFG, --task 6 for an HMM)")
+    if args.compare or args.plot or args.csv:
+        p.error("--compare, --plot and --csv go with --summary RUN_DIR ...")
     for path in args.paths:
         if not os.path.isfile(path):
-            p.error(f"checkpoint {path} does not exist")
+            p.error(f"no checkpoint file {path} (train.py writes runs/NAME/ckpt_*.pt)")
     cache = {}
     for i, path in enumerate(args.paths):
         log(f"[probe] checkpoint {i + 1}/{len(args.paths)}: {path}")
         try:
-            row = probe_checkpoint(path, args.task, args.method, args.n_train, args.n_test, args.seeds,
-                                   args.data_seed, not args.no_projection, args.epochs, args.task_file,
-                                   args.device, cache)
+            row = probe_checkpoint(path, args.task, args.method, args.n_train, args.n_test,
+                                   args.seeds, args.data_seed, not args.no_projection,
+                                   args.epochs, args.task_file, args.device, cache)
         except (ValueError, FileNotFoundError) as e:
             sys.exit(f"probe.py: error: {e}")
         line = json.dumps(row)

@@ -12,6 +12,7 @@ import math
 import os
 import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -85,7 +86,23 @@ Y runs 0.4
 # ------------------------------------------------------------------------------- special ids ---
 
 def test_data_special_ids():
-    assert data.mask_id(200) == 200 and data.pad_id(200) == 201 and data.N_SPECIAL == 2
+    """[MASK] and [PAD] are two ids outside the V words that a model's V + N_SPECIAL rows hold;
+    mask_one masks a word, never a pad position."""
+    for V in (1, 3, 50, 200):
+        ids = {data.mask_id(V), data.pad_id(V)}
+        assert len(ids) == 2 and all(V <= i < V + data.N_SPECIAL for i in ids)
+    V, T = 5, 7
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, T + 1, (500,), generator=gen)
+    tokens = torch.randint(0, V, (500, T), generator=gen)
+    tokens[torch.arange(T) >= lengths[:, None]] = data.pad_id(V)
+    inputs, targets, positions = data.mask_one(tokens, lengths, V, gen)
+    assert (targets < V).all() and (positions < lengths).all()
+    assert torch.equal(inputs == data.pad_id(V), tokens == data.pad_id(V))
+    net = model.build(model.ModelConfig(vocab_size=V + data.N_SPECIAL, pad_id=data.pad_id(V),
+                                        max_len=T, arch="transformer", n_heads=1, n_layers=1))
+    with torch.no_grad():                                # an id past the table would raise here
+        assert net(inputs).shape == (500, T, V + data.N_SPECIAL)
 
 
 # ------------------------------------------------------------------------------------ PCFG ---
@@ -268,8 +285,8 @@ def test_data_pcfg_from_rules_inline():
 
 
 def test_data_pcfg_authors_rules_load_if_present():
-    path = "../shared/data/paper_authors_pcfg_rules.txt"
-    if not __import__("os").path.exists(path):
+    path = Path(__file__).resolve().parent.parent / "shared" / "data" / "paper_authors_pcfg_rules.txt"
+    if not path.exists():
         pytest.skip("authors' grammar not present")
     g = data.PCFG.from_rules(path)
     assert (g.n_symbols, g.vocab_size) == (49, 200) and g.symbols[0] == "S1"
@@ -366,6 +383,54 @@ def test_data_cli_writes_reloadable_dataset(tmp_path, capsys):
     assert "optimal MLM loss" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         data.main(["pcfg", "--n", "0", "--out", str(out)])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["pcfg", "--rules", "{tmp}/missing.txt"], "--rules: no such rule file: '{tmp}/missing.txt'"),
+    (["pcfg", "--rules", "{tmp}/bad.txt"], "{tmp}/bad.txt, line 3: expected 'LHS RHS1 [RHS2]"),
+    (["hmm", "--rules", "{tmp}/bad.txt"], "--rules only applies to pcfg"),
+    (["pcfg", "--out", "{tmp}/no/such/dir/a.pt"], "--out {tmp}/no/such/dir/a.pt: directory"),
+    (["pcfg", "--out", "{tmp}"], "--out {tmp} is a directory"),
+    (["pcfg", "--n", "0"], "--n must be >= 1 (got 0)"),
+    (["teacher", "--n", "-5"], "--n must be >= 1 (got -5)"),
+    (["hmm", "--seed", "-1"], "--seed must be in 0..4294967295 (got -1)"),
+    (["pcfg", "--threads", "0"], "--threads must be >= 1 (got 0)"),
+])
+def test_data_cli_errors_are_one_line_before_sampling(argv, message, tmp_path, capsys, monkeypatch):
+    (tmp_path / "bad.txt").write_text("S X Y 1.0\n# a comment\nX cat\nY dog 1.0\n")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    argv += [] if "--out" in argv else ["--out", str(tmp_path / "a.pt")]
+
+    def no_sampling(*args, **kwargs):
+        raise AssertionError("sentences were sampled before the arguments were checked")
+    for kind in (data.PCFG, data.HMM, data.TeacherLM):
+        monkeypatch.setattr(kind, "sentences", no_sampling)
+    with pytest.raises(SystemExit) as e:
+        data.main(argv + ["--n", "3"] if "--n" not in argv else argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == f"data.py: error: {message.format(tmp=tmp_path)}" or \
+        message.format(tmp=tmp_path) in err.strip().splitlines()[-1]
+
+
+def test_data_cli_threads_flag(tmp_path):
+    rules = tmp_path / "rules file.txt"                       # a path with a space is a path
+    rules.write_text(_DATA_RULES)
+    argv = ["pcfg", "--rules", str(rules), "--n", "5", "--out", str(tmp_path / "p.pt")]
+    try:
+        data.main(argv + ["--threads", "2"])
+        assert torch.get_num_threads() == 2
+        data.main(argv)                                            # default: 1
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_data_languages_repr_names_their_size():
+    for lang, expected in ((data.HMM.random(20, 50, n_blocks=2), "HMM(states=20, V=50, T=16, blocks=2)"),
+                           (data.PCFG.from_rules(_DATA_RULES), "PCFG(symbols=4, V=3, max_len=32, "),
+                           (data.TeacherLM(vocab_size=10, length=5), "TeacherLM(V=10, max_len=5, ")):
+        assert repr(lang).startswith(expected) and "object at" not in repr(lang)
 
 # ===============================================================================================
 # data.py: HMM and teacher LM
@@ -1757,13 +1822,14 @@ def _probe_separable(n, d, n_classes, seed, margin=0.5):
 
 def test_probe_linear_probe_learns_separable_task():
     x, y = _probe_separable(2500, 16, 3, seed=0)
-    acc = probe.linear_probe(x[500:], y[500:], x[:500], y[:500], 3, seed=0)   # 16 -> 512 is injective
+    acc = probe.linear_probe(x[500:], y[500:], x[:500], y[:500], 3, seed=0).float().mean()
     assert acc >= 0.98, acc
     # Without projection the head sees 16 numbers; at the paper's fixed lr 1e-3 a logit moves by about
     # lr * sum|x_i| per step, so 16 features converge slowly (~0.90 after 100 epochs here). Real features
     # are T*d wide: 32 copies of each feature (512 columns, same information) stand in for that width.
     xw = x.repeat(1, 32)
-    acc = probe.linear_probe(xw[500:], y[500:], xw[:500], y[:500], 3, seed=0, proj_dim=None)
+    acc = probe.linear_probe(xw[500:], y[500:], xw[:500], y[:500], 3, seed=0,
+                             proj_dim=None).float().mean()
     assert acc >= 0.98, acc
 
 
@@ -1772,7 +1838,8 @@ def test_probe_linear_probe_random_labels_is_chance():
     n_train, n_test, C = 400, 2000, 4
     x = torch.randn(n_train + n_test, 64, generator=g)
     y = torch.randint(0, C, (n_train + n_test,), generator=g)    # independent of x: Bayes accuracy 1/C
-    acc = probe.linear_probe(x[n_test:], y[n_test:], x[:n_test], y[:n_test], C, seed=0, epochs=30)
+    acc = probe.linear_probe(x[n_test:], y[n_test:], x[:n_test], y[:n_test], C, seed=0,
+                             epochs=30).float().mean().item()
     sigma = math.sqrt((1 / C) * (1 - 1 / C) / n_test)              # binomial std of a chance classifier
     assert abs(acc - 1 / C) < 4 * sigma, acc
 
@@ -1786,7 +1853,8 @@ def test_probe_projection_fixed_per_seed_and_shape():
     assert abs(R0.mean().item()) < 0.01 * 512 ** -0.5 * 20        # N(0, 1/512): 153,600 draws
     assert abs(R0.var().item() * 512 - 1) < 0.02
     x, y = _probe_separable(600, 20, 3, seed=2)                    # same seed -> identical probe
-    a = [probe.linear_probe(x[200:], y[200:], x[:200], y[:200], 3, seed=s, epochs=3) for s in (5, 5)]
+    a = [probe.linear_probe(x[200:], y[200:], x[:200], y[:200], 3, seed=s, epochs=3).float().mean()
+         for s in (5, 5)]
     assert a[0] == a[1]
 
 
@@ -1812,7 +1880,8 @@ def test_probe_lookup_table_reaches_bayes_accuracy():
     lang, k, n_test = _probe_tiny_hmm(), 3, 1000
     tok, lens, y = lang.task_data(str(k), 3000, seed=0, label="sampled")          # the state actually drawn
     x = probe.concat_features(train.LookupTable(lang), tok, lens)                  # true conditionals (n, T*V)
-    acc = probe.linear_probe(x[n_test:], y[n_test:], x[:n_test], y[:n_test], 2, seed=0, epochs=50)
+    acc = probe.linear_probe(x[n_test:], y[n_test:], x[:n_test], y[:n_test], 2, seed=0,
+                             epochs=50).float().mean().item()
     post = _probe_brute_posterior(lang, tok[:n_test], k)
     bayes = (post.argmax(1) == y[:n_test].numpy()).mean()        # the Bayes classifier's accuracy on this test set
     majority = np.bincount(y[:n_test].numpy()).max() / n_test
@@ -1821,23 +1890,30 @@ def test_probe_lookup_table_reaches_bayes_accuracy():
     assert bayes - 0.02 <= acc <= bayes + 0.02, (acc, bayes)      # no classifier beats Bayes beyond noise
 
 
-def _probe_run_dir(tmp_path, name, steps, traces, accs, tasks=("C",)):
+def _probe_run_dir(tmp_path, name, steps, traces, accs, tasks=("C",), n_correct=None, kls=None,
+                   language="L", n_train=10):
+    """A run directory as train/hessian/probe.py leave it, with chosen numbers."""
     run = tmp_path / name
     run.mkdir()
+    with open(run / "config.json", "w") as f:
+        json.dump({"args": {}, "language": {"kind": language}}, f)
+    kls = [1 / s for s in steps] if kls is None else kls
     with open(run / "metrics.jsonl", "w") as f:
-        for s in steps:
+        for s, kl in zip(steps, kls):
             f.write(json.dumps({"step": s, "loss": 3.5, "lr": 1e-3, "tokens_per_s": 1.0, "wall": 1.0}) + "\n")
             f.write(json.dumps({"step": s, "loss": 3.5, "lr": 1e-3, "tokens_per_s": 1.0, "wall": 1.0,
-                                "eval_loss": 3.2 + 1 / s, "entropy": 3.2, "kl": 1 / s}) + "\n")
+                                "eval_loss": 3.2 + kl, "entropy": 3.2, "kl": kl, "kl_se": 0.001}) + "\n")
     with open(run / "hessian.jsonl", "w") as f:
         for s, t in zip(steps, traces):
             f.write(json.dumps({"ckpt": f"ckpt_{s:07d}.pt", "step": s, "trace": t, "trace_std": 0.1,
                                 "top_eigenvalue": 2.0, "sam_sharpness": 0.01}) + "\n")
     with open(run / "probe.jsonl", "w") as f:
         for task in tasks:
-            for s, a in zip(steps, accs):
-                f.write(json.dumps({"ckpt": f"ckpt_{s:07d}.pt", "step": s, "task": task, "method": "linear",
-                                    "acc": a, "acc_std": 0.01, "n_train": 10, "seeds": [0, 1]}) + "\n")
+            for i, (s, a) in enumerate(zip(steps, accs)):
+                f.write(json.dumps({"ckpt": f"ckpt_{s:07d}.pt", "step": s, "task": task,
+                                    "method": "linear", "acc": a, "acc_std": 0.01,
+                                    "n_train": n_train, "seeds": [0, 1],
+                                    "n_correct": None if n_correct is None else n_correct[i]}) + "\n")
     return str(run)
 
 
@@ -1849,35 +1925,135 @@ def test_probe_r_squared_matches_closed_form():
     r2_fit = 1 - ((y - (a * x + b)) ** 2).sum() / ((y - y.mean()) ** 2).sum()
     assert probe.r_squared(x, y) == pytest.approx(r2_fit, abs=1e-12)
     assert probe.r_squared(x, y) == pytest.approx(np.corrcoef(x, y)[0, 1] ** 2, abs=1e-12)
+    assert probe.regression(x, -y)[1] == pytest.approx(-a, abs=1e-12)      # the slope, signed
     assert math.isnan(probe.r_squared([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]))
 
 
-def test_probe_summary_join_columns_and_r2(tmp_path, capsys):
+def test_probe_partial_r2_equals_extra_sum_of_squares():
+    """Partial r² of y on x given z = (SSR(y ~ z) - SSR(y ~ z + x)) / SSR(y ~ z), by lstsq; its
+    sign is that of x's coefficient in y ~ 1 + z + x."""
+    rng = np.random.default_rng(1)
+    z = rng.normal(size=30)
+    x = 0.8 * z + rng.normal(size=30)
+    for coef in (0.5, -0.5):
+        y = 2.0 * z + coef * x + rng.normal(size=30)
+        ones = np.ones(30)
+
+        def ssr(*cols):
+            X = np.stack([ones, *cols], 1)
+            beta = np.linalg.lstsq(X, y, rcond=None)[0]
+            return ((y - X @ beta) ** 2).sum(), beta
+        (reduced, _), (full, beta) = ssr(z), ssr(z, x)
+        r2, sign = probe.partial_r2(y, x, z)
+        assert r2 == pytest.approx((reduced - full) / reduced, abs=1e-12)
+        assert sign == np.sign(beta[2]) == np.sign(coef)
+
+
+def test_probe_paired_difference_exact_and_bootstrap():
+    """The paired accuracy difference on shared test sentences and its standard error agree
+    with numpy's variance of the per-sentence differences and with a bootstrap over sentences."""
+    rng = np.random.default_rng(2)
+    n, seeds = 2000, 3
+    a = rng.binomial(seeds, 0.7, size=n)
+    b = np.clip(a + rng.choice([-1, 0, 0, 0, 1, 1], size=n), 0, seeds)   # correlated with a
+    d, se = probe.paired_difference(a.tolist(), b.tolist(), seeds)
+    assert d == pytest.approx(b.mean() / seeds - a.mean() / seeds, abs=1e-12)
+    assert se == pytest.approx(np.sqrt(np.var((b - a) / seeds, ddof=1) / n), rel=1e-12)
+    idx = rng.integers(0, n, size=(2000, n))
+    boot = ((b[idx] - a[idx]) / seeds).mean(1)
+    assert boot.std() == pytest.approx(se, rel=0.1)
+    unpaired = np.sqrt((np.var(a / seeds) + np.var(b / seeds)) / n)
+    assert se < 0.8 * unpaired                          # pairing removes the shared test noise
+    assert probe.mean_se([0.01, 0.03, 0.02]) == pytest.approx((0.02, 0.01 / math.sqrt(3)))
+    with pytest.raises(ValueError, match="same test sentences"):
+        probe.paired_difference([1, 2], [1, 2, 3], 3)
+
+
+def test_probe_summary_join_columns_and_groups(tmp_path, capsys):
     steps, traces, accs = [100, 200, 300, 400], [5.0, 4.0, 3.5, 3.0], [0.60, 0.64, 0.65, 0.70]
     r1 = _probe_run_dir(tmp_path, "r1", steps, traces, accs, tasks=("C", "B"))
     r2 = _probe_run_dir(tmp_path, "r2", [500], [2.0], [0.75], tasks=("C",))
     csv_path = str(tmp_path / "s.csv")
     columns, table = probe.summary_table([r1, r2])
-    assert columns == ["run", "step", "eval_loss", "entropy", "kl", "trace", "trace_std", "top_eigenvalue",
-                       "sam_sharpness", "linear_C_acc", "linear_C_acc_std", "linear_B_acc", "linear_B_acc_std"]
+    assert columns == ["run", "step", "eval_loss", "entropy", "kl", "kl_se", "trace", "trace_std",
+                       "top_eigenvalue", "min_eigenvalue", "sam_sharpness", "linear_C_acc",
+                       "linear_C_acc_std", "linear_B_acc", "linear_B_acc_std"]
     assert [(r["run"], r["step"]) for r in table] == [("r1", s) for s in steps] + [("r2", 500)]
-    for r in table:
-        for c in columns[2:11]:
-            assert math.isfinite(r[c]), (r, c)
     assert table[1]["kl"] == pytest.approx(1 / 200) and table[1]["trace"] == 4.0
     assert table[4]["linear_B_acc"] is None                        # r2 has no task-B probe
     probe.print_summary(columns, table, csv_path)
     out = capsys.readouterr().out
-    xs, ys = traces + [2.0], accs + [0.75]
-    expect = np.corrcoef(xs, ys)[0, 1] ** 2
-    assert f"R² of linear_C_acc on trace: {expect:.3f} over the 5 rows" in out
-    assert f"{np.corrcoef(traces, accs)[0, 1] ** 2:.3f} over the 4 rows" in out
+    r2_trace, slope = probe.regression(traces, accs)
+    assert slope < 0 and f"r1 (4 checkpoints): {r2_trace:.3f} (-) |" in out
+    kl = [1 / s for s in steps]
+    assert f"| {np.corrcoef(kl, accs)[0, 1] ** 2:.3f} (-) |" in out
+    assert f"| {np.corrcoef(np.log(kl), accs)[0, 1] ** 2:.3f} (-) |" in out
+    assert "r2: needs >= 3 checkpoints" in out                     # groups are not pooled away
+    assert f"pooled over groups (5 checkpoints): " in out
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == columns and len(rows) == 5 and rows[4]["linear_B_acc"] == ""
-    columns, table = probe.summary_table([_probe_run_dir(tmp_path, "r3", [1, 2], [1.0, 2.0], [0.5, 0.6])])
-    probe.print_summary(columns, table)
-    assert "needs >= 3 checkpoints with both a trace and an accuracy; found 2" in capsys.readouterr().out
+    columns, table = probe.summary_table([r1], min_step=300)
+    assert [r["step"] for r in table] == [300, 400]
+
+
+def test_probe_summary_paired_comparison_across_seeds(tmp_path, capsys):
+    """--compare pairs checkpoints of the same training seed (runs GROUP-sSEED) on the same test
+    sentences; `kl` picks B's checkpoint of nearest KL and says whether it is matched."""
+    rng = np.random.default_rng(3)
+    n = 400
+    runs, expect = [], []
+    for seed in range(3):
+        base = rng.binomial(2, 0.6, size=n)
+        late = np.clip(base + rng.choice([0, 0, 1], size=n), 0, 2)
+        runs.append(_probe_run_dir(tmp_path, f"e1-s{seed}", [1000, 2000], [5.0, 3.0],
+                                   [base.mean() / 2, late.mean() / 2],
+                                   n_correct=[base.tolist(), late.tolist()], kls=[0.03, 0.02]))
+        expect.append(probe.paired_difference(base, late, 2))
+        runs.append(_probe_run_dir(tmp_path, f"slow-s{seed}", [5000], [9.0], [0.5],
+                                   n_correct=[[1] * n], kls=[0.0201]))
+    columns, table = probe.summary_table(runs)
+    probe.print_summary(columns, table, comparisons=[("e1@1000", "e1@last")])
+    out = capsys.readouterr().out
+    for seed, (d, se) in enumerate(expect):
+        assert f"seed {seed}: A e1-s{seed}@1000" in out and f"diff {d:+.4f} ± {se:.4f}" in out
+    m, se = probe.mean_se([d for d, _ in expect])
+    assert f"mean over 3 seeds: {m:+.4f} ± {se:.4f}" in out and "3/3 seeds positive" in out
+    probe.print_summary(columns, table, comparisons=[("slow@last", "e1@kl")])
+    out = capsys.readouterr().out
+    assert "B e1-s0@2000" in out and "|dKL| = 0.1 se (matched)" in out
+    assert "next-best B@1000" in out
+    with pytest.raises(ValueError, match="no training seed"):
+        probe.compare(table, "linear_C_acc", "e1@last", "nope@last")
+    with pytest.raises(ValueError, match="no probed checkpoint at step 7"):
+        probe.compare(table, "linear_C_acc", "e1@7", "slow@last")
+
+
+def test_probe_summary_refuses_mixed_or_empty_runs(tmp_path):
+    a = _probe_run_dir(tmp_path, "a", [1], [1.0], [0.5])
+    b = _probe_run_dir(tmp_path, "b", [1], [1.0], [0.5], language="other")
+    c = _probe_run_dir(tmp_path, "c", [1], [1.0], [0.5], n_train=20)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for runs, message in [([a, b], "b and a are trained on different languages"),
+                          ([a, c], "c: its probe.py linear_C rows were measured with other "
+                                   "settings than a's (n_train 20 vs 10)"),
+                          ([a, str(empty)], "empty has no hessian.jsonl or probe.jsonl rows"),
+                          ([str(tmp_path / "nope")], "not a run directory")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            probe.summary_table(runs)
+    with pytest.raises(SystemExit):
+        probe.main(["--summary", a, "--csv", str(tmp_path)])         # a folder, not a file
+
+
+def test_probe_summary_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = [_probe_run_dir(tmp_path, f"g-s{s}", [1, 2, 3], [3.0, 2.0, 1.0], [0.5, 0.6, 0.7])
+            for s in range(2)]
+    path = str(tmp_path / "fig.png")
+    probe.main(["--summary", *runs, "--plot", path])
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def _probe_lookup_ckpt(tmp_path, lang):
@@ -1915,8 +2091,11 @@ def test_probe_checkpoint_row_and_errors(tmp_path):
         probe.probe_checkpoint(ckpt, "3", n_train=20, n_test=10, n_seeds=1, task_file=bad)
     with pytest.raises(ValueError, match="not a run directory"):
         probe.summary_table([str(tmp_path / "nope")])
+    row = probe.probe_checkpoint(ckpt, None, n_train=20, n_test=10, n_seeds=2, epochs=1)
+    assert row["task"] == lang.tasks[0] and len(row["n_correct"]) == 10     # default task
+    assert row["acc"] == pytest.approx(sum(row["n_correct"]) / (2 * 10))
     with pytest.raises(SystemExit):
-        probe.main([ckpt])                                         # --task missing
+        probe.main([ckpt, "--compare", "a@1", "b@1"])              # --compare needs --summary
 
 
 def test_probe_finetune_learns_first_token_task():
