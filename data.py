@@ -21,7 +21,8 @@ Run:
     python data.py pcfg --n 1000 --rules rule_deep_mlm.txt --out a.pt   # authors' grammar
     python data.py pcfg --n 200 --conditionals --out p.pt    # also the exact conditionals
     python data.py hmm --n 10000 --out hmm.pt
-The first takes about 25 s of CPU on one thread (mostly the task labels).
+The first takes about 25 s of CPU on one thread (mostly the task labels; `--threads`, default
+1: on a shared machine more threads were slower).
 It prints the language, the mean length, the optimal MLM loss (entropy) and where it wrote a
 dataset that `torch.load(FILE, weights_only=True)` reads back, generator spec included.
 """
@@ -30,6 +31,7 @@ import inspect
 import math
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -247,13 +249,17 @@ class PCFG:
         distribution (if it has binary/lexical rules instead, it is itself the only root).
         Symbol ids follow first appearance as a left-hand side (start symbol excluded); word ids
         follow first appearance in the file. Each left-hand side's probabilities are renormalised
-        to sum to 1 (the authors' file is off by up to 2.3e-4) unless off by more than `tol`."""
+        to sum to 1 (the authors' file is off by up to 2.3e-4) unless off by more than `tol`.
+        A str is a path when it is one short line; an os.PathLike (pathlib.Path) always is."""
         text = str(path_or_text)
-        if "\n" not in text and len(text.split()) < 3:  # a path, not a one-rule grammar
+        if isinstance(path_or_text, os.PathLike) or "\n" not in text and len(text.split()) < 3:
             if not os.path.isfile(text):
                 raise ValueError(f"no such rule file: {text!r}")
-            with open(text) as f:
-                text, where = f.read(), str(path_or_text)
+            try:
+                with open(text) as f:
+                    text, where = f.read(), str(path_or_text)
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"cannot read rule file {text!r}: {e}") from None
         else:
             where = "<text>"
         rules = []  # (line_no, lhs, rhs list, prob)
@@ -354,9 +360,10 @@ class PCFG:
                    origin=spec.get("origin"))
 
     def __repr__(self):
-        src = next(iter(self.origin), "explicit")
-        return (f"PCFG({src}: {self.n_symbols} symbols, {self.vocab_size} words, "
-                f"{int((self.binary > 0).sum())} binary rules, max_len {self.max_len})")
+        src = f"rules: {self.origin['rules']}" if "rules" in self.origin else \
+            next(iter(self.origin), "explicit")
+        return (f"PCFG(symbols={self.n_symbols}, V={self.vocab_size}, max_len={self.max_len}, "
+                f"binary_rules={int((self.binary > 0).sum())}, origin={src!r})")
 
     # ----- sampling -----
 
@@ -863,6 +870,10 @@ class HMM:
         emit /= emit.sum(1, keepdims=True)
         return cls(np.full(n_states, 1.0 / n_states), trans, emit, length=length)
 
+    def __repr__(self):
+        return (f"HMM(states={self.n_states}, V={self.vocab_size}, T={self.max_len}, "
+                f"blocks={len(self._blocks)})")
+
     # ----- plain-type description (what checkpoints store) -----
 
     def spec(self):
@@ -1137,6 +1148,10 @@ class TeacherLM:
     def random(cls, seed=0, **kwargs):
         """The random teacher of `seed` (same name as PCFG.random / HMM.random)."""
         return cls(seed=seed, **kwargs)
+
+    def __repr__(self):
+        return (f"TeacherLM(V={self.vocab_size}, max_len={self.max_len}, "
+                f"topics={self.n_topics}, seed={self.args['seed']})")
 
     # ----- plain-type description (what checkpoints store) -----
 
@@ -1428,6 +1443,10 @@ class OPTTeacher(TeacherLM):
     def _extend(self, past, new):
         return torch.cat([past, new], 1)
 
+    def __repr__(self):
+        return (f"OPTTeacher(V={self.vocab_size}, max_len={self.max_len}, "
+                f"path={self.args['path']!r})")
+
     @property
     def tasks(self):
         """None: the paper's OPT tasks (SST-2, QNLI) are real-text GLUE data."""
@@ -1499,13 +1518,14 @@ def build_language(kind, seed=0, rules=None):
     """The default language of each kind (CLI): the random PCFG / HMM / teacher of `seed`, or
     the PCFG read from a rule file."""
     if rules and kind != "pcfg":
-        raise SystemExit("--rules only applies to pcfg")
+        raise ValueError("--rules only applies to pcfg")
     if rules:
-        return PCFG.from_rules(rules)
+        return PCFG.from_rules(Path(rules))
     return {"pcfg": PCFG, "hmm": HMM, "teacher": TeacherLM}[kind].random(seed=seed)
 
 
 def main(argv=None):
+    """Command line (App. A.1): sample one language's sentences, task labels and spec."""
     p = argparse.ArgumentParser(description="Sample a synthetic language dataset (paper App. "
                                 "A.1) with task labels and the generator's spec; reload it with "
                                 "torch.load(FILE, weights_only=True).")
@@ -1517,11 +1537,29 @@ def main(argv=None):
                    "file (format of PCFG.from_rules) instead of PCFG.random(seed)")
     p.add_argument("--conditionals", action="store_true",
                    help="also store the exact conditionals Pr(x_t|x_-t) [n,T,V] (large)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: on 2 shared cores an uncapped run took "
+                        "3 min instead of 12 s)")
     args = p.parse_args(argv)
-    if args.n < 1:
-        raise SystemExit("--n must be >= 1")
+    bad = [f"--{k} must be >= 1 (got {getattr(args, k)})" for k in ("n", "threads")
+           if getattr(args, k) < 1]
+    if not 0 <= args.seed < 2**32:
+        bad.append(f"--seed must be in 0..{2**32 - 1} (got {args.seed})")
+    if args.rules and args.kind != "pcfg":
+        bad.append(f"--rules only applies to pcfg (got kind {args.kind})")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if os.path.isdir(args.out):
+        bad.append(f"--out {args.out} is a directory; give a file name such as {args.kind}.pt")
+    elif not os.path.isdir(out_dir):
+        bad.append(f"--out {args.out}: directory {out_dir} does not exist; create it first")
+    if bad:  # before any sampling: a bad --out would otherwise fail after minutes of work
+        p.error("; ".join(bad))
+    torch.set_num_threads(args.threads)
     t0 = time.time()
-    lang = build_language(args.kind, args.seed, args.rules)
+    try:
+        lang = build_language(args.kind, args.seed, args.rules)
+    except ValueError as e:
+        p.error(f"--rules: {e}")
     print(f"language: {lang!r}", flush=True)
     tokens, lengths = lang.sentences(args.n, seed=args.seed)
     print(f"sampled {args.n} sentences, mean length {lengths.double().mean():.2f} "

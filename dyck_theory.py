@@ -10,7 +10,7 @@ Run (defaults: 72 s wall, 26 s CPU, one thread, measured on a 2-core machine sha
     python dyck_theory.py                       # T=6, m=160, n=10: each claim, numbers, PASS/FAIL
     python dyck_theory.py --T 8 --m 64 --n 20   # larger T (support enumerated up to T=14; m < 576, so
                                                 # random features cannot interpolate and those lines FAIL)
-    python dyck_theory.py --json                # one JSON object instead (schema of issue 5)
+    python dyck_theory.py --json                # one JSON object instead (schema at the end)
 
 SETTING (our conventions; the extracted paper text garbles several symbols)
   Sentences: x in {"(", ")"}^T, T even >= 6, with T/2 of each bracket, uniform. One position t is
@@ -461,7 +461,7 @@ def theorem_failure_bound(n):
 
 # ----------------------------------------------------------------------------- CLI
 def run_checks(T, m, n, seed, log=print):
-    """Compute every claim; returns (result dict in the issue-5 JSON schema, [(claim, ok, text)], extras).
+    """Compute every claim; returns (result dict, the --json object; [(claim, ok, text)]; extras).
 
     ok is True / False, or None (N/A) for random-features lines when m < rf_min_width(T) makes zero loss impossible.
     """
@@ -561,7 +561,8 @@ def run_checks(T, m, n, seed, log=print):
     return result, claims, extras
 
 
-def main():
+def main(argv=None):
+    """Command line: every claim of Thm 5.1 as PASS/FAIL lines, or one JSON object (--json)."""
     parser = argparse.ArgumentParser(description="Numerical check of Thm 5.1 (flattest zero-loss solution transfers).")
     parser.add_argument("--T", type=int, default=6, help="sentence length (even, >= 6); support enumerated up to 14, sampled above")
     parser.add_argument("--m", type=int, default=None,
@@ -569,16 +570,30 @@ def main():
                              "the width at which random features can interpolate the support")
     parser.add_argument("--n", type=int, default=10, help="downstream training samples (>= 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of every random draw")
-    parser.add_argument("--json", action="store_true", help="print one JSON object (issue-5 schema) instead of the claims")
-    args = parser.parse_args()
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (keys T, m, n, mlm_loss, trace, "
+                             "downstream_loss, downstream_failure_probability) instead of claims")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: on 2 shared cores more were slower)")
+    args = parser.parse_args(argv)
+    # every flag by name, before default_width(T) below, which needs a valid T
+    bad = [f"--{k} must be >= {lo} ({why}), got {v}" for k, v, lo, why in (
+        ("m", args.m, 2, "solution (1) needs two neurons"),
+        ("n", args.n, 1, "downstream samples"),
+        ("threads", args.threads, 1, "torch CPU threads")) if v is not None and v < lo]
+    if args.T < 6 or args.T % 2:
+        bad.insert(0, f"--T must be even and >= 6 (Thm 5.1 assumes T >= 6; sentences need T/2 "
+                      f"of each bracket), got {args.T}")
+    if not 0 <= args.seed < 2**32:
+        bad.append(f"--seed must be in 0..{2**32 - 1}, got {args.seed}")
+    if bad:
+        parser.error("; ".join(bad))
+    torch.set_num_threads(args.threads)
     if args.m is None and default_width(args.T) > MAX_DEFAULT_WIDTH:
-        parser.error(f"the default m (random features that interpolate the support) would be {default_width(args.T)} "
-                     f"at T={args.T}; pass --m explicitly (below {rf_min_width(args.T)}, random features cannot reach zero loss)")
+        parser.error(f"--m must be given at T={args.T}: its default (random features that "
+                     f"interpolate the support) would be {default_width(args.T)}; below "
+                     f"{rf_min_width(args.T)} random features cannot reach zero loss")
     m = default_width(args.T) if args.m is None else args.m
-    try:
-        check_args(args.T, m, args.n)
-    except ValueError as e:
-        parser.error(str(e))
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else print
     result, claims, extras = run_checks(args.T, m, args.n, args.seed, log=log)
     if args.json:

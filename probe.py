@@ -261,13 +261,12 @@ def finetune(model, train_split, test_split, n_classes, seed, epochs=FT_EPOCHS, 
                 sched.step()
         net.eval()
         with torch.no_grad():
-            correct = 0
+            correct = []
             for i in range(0, len(tok_test), FEATURE_BATCH):
                 x = sentence_features(net, tok_test[i:i + FEATURE_BATCH],
                                       lengths_test[i:i + FEATURE_BATCH], width, device)
-                logits = head(x)
-                correct += logits.argmax(1).eq(y_test[i:i + FEATURE_BATCH].to(device)).sum().item()
-    return correct / len(tok_test)
+                correct.append(head(x).argmax(1).eq(y_test[i:i + FEATURE_BATCH].to(device)).cpu())
+    return torch.cat(correct)
 
 
 # ----------------------------------------------------------------------------- one checkpoint
@@ -323,8 +322,10 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
     else:
         for s in seeds:
             t = time.time()
-            accs.append(finetune(model, train_split, test_split, n_classes, seed=s,
-                                 epochs=FT_EPOCHS if epochs is None else epochs, device=device))
+            correct = finetune(model, train_split, test_split, n_classes, seed=s,
+                               epochs=FT_EPOCHS if epochs is None else epochs, device=device)
+            n_correct += correct.long()
+            accs.append(correct.float().mean().item())
             log(f"[probe] {name}: finetune seed {s + 1}/{n_seeds} acc {accs[-1]:.4f} ({time.time() - t:.1f}s)")
     acc, acc_std = mean_std(accs)
     return {"ckpt": path, "step": int(ckpt["step"]), "task": str(task), "method": method,
@@ -334,7 +335,7 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
             "projection": (PROJ_DIM if projection else None) if method == "linear" else None,
             "epochs": (LINEAR_EPOCHS if method == "linear" else FT_EPOCHS) if epochs is None else epochs,
             "lr": LINEAR_LR if method == "linear" else FT_LR, "task_file": task_file,
-            "n_correct": n_correct.tolist() if method == "linear" else None,
+            "n_correct": n_correct.tolist(),
             "wall_s": round(time.time() - t0, 2)}
 
 

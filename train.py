@@ -2,51 +2,51 @@
 
 Trains a network from model.py on a language from data.py with the MLM loss of §2.1
 (one masked position per sentence by default, a 15% rate as an option, App. E), on fresh
-samples every step (the population loss of §3; `--pool N` trains on a fixed pool instead),
-with one of the paper's pre-training algorithms:
+samples every step (the population loss of §3), with one of the paper's algorithms:
 
-  adamw        AdamW with the Izsak et al. (2021) recipe the paper follows (App. A.3): lr 1e-3
-               (pass --lr 1e-3; the default 1e-2 suits the tiny CPU default), warmup 6% of the
-               steps then linear decay (`--schedule const`: constant after the warmup, for
-               training far past convergence), betas (0.9, 0.98), eps 1e-6, weight decay 0.01
-               on weight matrices and embeddings, none on biases and LayerNorm.
-  sgd          plain SGD, warmup over 12% of the steps, then constant lr (App. B.3: 1e-3).
+  adamw        AdamW with the Izsak et al. (2021) recipe the paper follows (App. A.3): warm-up
+               6% of the steps then linear decay (`--schedule const`: constant after the
+               warm-up, for training far past convergence), betas (0.9, 0.98), eps 1e-6, weight
+               decay 0.01 on weight matrices and embeddings, none on biases and LayerNorm.
+               lr: the paper's 1e-3 is for its 2M-730M models; the default 1e-2 suits the CPU.
+  sgd          plain SGD, warm-up over 12% of the steps, then constant lr (App. B.3).
   adversarial  AdamW on L_MLM(psi) - lambda * loss_D2(phi(psi)) (App. A.4): each step a linear
-               head phi is fitted in closed form (ridge regression) on the features of a subset
-               D1 of downstream training data and scored on a disjoint subset D2.
-  lookup       no training: writes a checkpoint of kind "lookup" whose "model" is the lookup
-               table of App. A.4 (contextual embedding = the true conditional from data.py),
-               and its eval row, computed like any model's (KL ~1e-15).
+               head phi is fitted in closed form on D1 and scored on a disjoint D2, two subsets
+               of a downstream sample, through the probe's own projection and standardisation
+               (adversarial_loss says exactly what is attacked).
+  lookup       no training: a checkpoint of kind "lookup" whose "model" is the lookup table of
+               App. A.4 (contextual embedding = the true conditional), and its eval row.
 
-`--grow-from CKPT` starts a run from model.grow(CKPT's model) (App. B.1: a larger model with
-the same function): step 0 of the new run is the grown model, checkpointed with its exact eval
-row (equal to the source's KL), then it trains for --steps with a fresh optimizer (0: stop
-there). hessian.py and probe.py read its checkpoints like any other (App. B.1.3).
+Every `--eval-every` steps the model is evaluated exactly on a fixed held-out set (App. A.4):
+every position of every eval sentence is masked in turn and, with p = Pr(. | x_-t) from data.py,
+kl = E[-sum_w p(w) log q(w)] - E[H(p)], with its standard error over sentences (kl_se).
 
-Every `--eval-every` steps the model is evaluated exactly on a fixed held-out set (App. A.4,
-"Evaluation of pre-training loss"): every position of every eval sentence is masked in turn,
-and with the true conditional p = Pr(. | x_-t) from data.py
-    eval_loss = E[-sum_w p(w) log q(w)],   entropy = E[H(p)],   kl = eval_loss - entropy,
-the expectation taken as in data.mlm_entropy (uniform position, then sentences). KL is the
-number that says whether a run is in the saturation regime.
+Runs continue and branch from their checkpoints alone (the arguments are stored in them):
+  --resume              continue a killed run; with --steps N (larger) extend a --schedule
+                        const run (a decaying schedule ends at lr 0 and is refused)
+  --branch-from CKPT    a decay branch: CKPT's run continued from its step S, with the same
+    --decay-steps N     weights, AdamW moments and data stream, and the lr decayed linearly to
+                        0 over N updates (warmup-stable-decay): it settles at the floor of the
+                        loss valley, so branches compare models at (nearly) the same loss
+  --grow-from CKPT      start from model.grow(CKPT's model) (App. B.1.3): same function, larger
 
 Run directory runs/NAME/: config.json, metrics.jsonl (one JSON object per line), ckpt_0000500.pt,
-... (every `--ckpt-every` steps and at the last step, written atomically; each a plain dict
-loadable with torch.load(weights_only=True): model config, weights, optimizer, step, RNG state,
-the language's spec and the arguments, so hessian.py and probe.py need nothing else).
+... (every `--ckpt-every` steps and at the last, written atomically; plain dicts loadable with
+torch.load(weights_only=True), holding all that hessian.py and probe.py need).
 
   python train.py                    # lstm-62k on hmm-small, 3000 steps: KL to the truth < 0.05
-  python train.py --lang pcfg --preset tf-2m --steps 5000 --name pcfg-tf2m
-  python train.py --name hmm-small-lstm-62k-adamw-s0 --resume       # continue a killed run
-  python train.py --algo lookup --lang pcfg --name pcfg-lookup        # the lookup-table baseline
+  python train.py --schedule const --steps 6000 --name e1          # constant lr past convergence
+  python train.py --name e1 --resume --steps 10000                 # ... extended to 10000 steps
+  python train.py --branch-from runs/e1/ckpt_0006000.pt --decay-steps 1000   # runs/e1-from6000-decay1000
+  python train.py --algo lookup --lang pcfg --name pcfg-lookup     # the lookup-table baseline
   python train.py --lstm-hidden 64 --name h64     # preset with fields replaced: size sweeps (Figs. 2, 5)
-  python train.py --grow-from runs/h32/ckpt_0003000.pt --grow-width 2 --steps 0   # App. B.1.3
   torchrun --nproc_per_node=8 train.py --device cuda --compile --lr 1e-3 ...   # DDP on GPUs
 
 It prints one progress line per log row, e.g.
-  step    1500/3000 | loss 2.9150 | kl 0.0430 | lr 1.0e-02 |   39k tok/s | 4:35 elapsed, ETA 4:35
-Data order, masks and dropout are a function of (--seed, step, rank), so a resumed run
-continues bit-for-bit on CPU: its metrics equal those of an uninterrupted run.
+  step    1500/3000 | loss 2.9150 | kl 0.0430 | lr 5.3e-03 |  250k tok/s | 0:25 elapsed, ETA 0:25
+Data order and masks are a function of (--seed, step, rank), so a resumed run continues
+bit-for-bit on the same machine (its metrics equal an uninterrupted run's); on another machine
+the numbers differ in the third decimal of KL: one draw from the spread across seeds.
 """
 import argparse
 import dataclasses
@@ -96,7 +96,8 @@ STORED_DEFAULTS = {"decay_steps": 0, "branch_from": None}
 
 # Independent random streams, each a function of (seed, step, rank): see stream_seed().
 STREAMS = {"init": 1, "data": 2, "mask": 3, "dropout": 4, "pool": 5, "task": 6, "adv": 7,
-           "eval": 8}
+           "eval": 8, "proj": 9}
+ADV_PROJ_DIM = 512    # the adversary's projection: probe.PROJ_DIM, the evaluated probe's
 EVAL_SEED = 20230401  # the eval set depends on the language only, so runs are comparable
 LOOKUP_TEACHER_EVAL_N = 5  # eval sentences for the teacher's lookup table (~1 min: write_lookup)
 
@@ -178,20 +179,27 @@ def ridge_predict(X1, Y1, X2, alpha):
     return (X2 @ X1.T) @ A                                           # (n2, C)
 
 
-def adversarial_loss(feats, tokens, labels, n_classes, n1, alpha, pad):
-    """loss_D2 of App. A.4 from the features [n, T, d] of n = |D1| + |D2| downstream sentences:
-    the probe input is every position's features concatenated (zero at padding), as in the
-    linear probe; the ridge head is fitted on D1 (the first n1) with one-hot targets, and
-    scored by squared error on D2 (the rest), the loss ridge regression minimises."""
+def adversarial_loss(feats, tokens, labels, n_classes, n1, alpha, pad, generator):
+    """loss_D2 of App. A.4, against the head class probe.py evaluates, from the features
+    [n, T, d] of n = |D1| + |D2| downstream sentences: every position's features concatenated
+    (zero at padding), times a Gaussian projection [T*d, ADV_PROJ_DIM] drawn from `generator`
+    (fresh each step, as each probe seed draws its own), standardised with D1's mean and std;
+    a ridge head is fitted on D1 (the first n1) with one-hot targets and scored by squared error
+    on D2 (the loss ridge regression minimises). Only the head's loss differs from the probe's
+    (squared error in closed form, where the probe trains a softmax head with AdamW)."""
     X = (feats * (tokens != pad)[..., None]).reshape(feats.shape[0], -1)   # (n, T*d)
     Y = F.one_hot(labels, n_classes)
     with torch.autocast(X.device.type, enabled=False):                  # solve in float32
+        R = torch.randn(X.shape[1], ADV_PROJ_DIM, generator=generator) / math.sqrt(ADV_PROJ_DIM)
+        X = X.float() @ R.to(X.device)
+        mean, std = X[:n1].mean(0), X[:n1].std(0).clamp_min(1e-6)
+        X = (X - mean) / std
         pred = ridge_predict(X[:n1], Y[:n1], X[n1:], alpha)
         return ((pred - Y[n1:].to(pred.dtype)) ** 2).sum(-1).mean()
 
 
 def training_objective(objective, inputs, targets, V, args, task_tokens=None, task_labels=None,
-                       n_classes=None):
+                       n_classes=None, generator=None):
     """(L_MLM, the objective the update minimises, loss_D2 or None) for one batch: L_MLM
     (§2.1) for adamw and sgd; L_MLM - lambda * loss_D2 for the adversarial algorithm (App. A.4),
     which pushes the features away from what a linear head fitted on D1 predicts on D2."""
@@ -200,7 +208,7 @@ def training_objective(objective, inputs, targets, V, args, task_tokens=None, ta
     if feats is None:
         return loss, loss, None
     adv = adversarial_loss(feats, task_tokens, task_labels, n_classes, args.adv_n1,
-                           args.adv_alpha, data.pad_id(V))
+                           args.adv_alpha, data.pad_id(V), generator)
     return loss, loss - args.adv_lambda * adv, adv
 
 
@@ -718,7 +726,8 @@ def train(args):
             with autocast:
                 loss, total, adv = training_objective(
                     objective, inputs.to(device), targets.to(device), V, args, task_batch,
-                    None if task_batch is None else task_labels[idx].to(device), n_classes)
+                    None if task_batch is None else task_labels[idx].to(device), n_classes,
+                    generator(args.seed, "proj", step, rank))
             loss_value = loss.item()
             if not math.isfinite(loss_value) or not math.isfinite(total.item()):
                 last = list_checkpoints(run_dir)
