@@ -738,7 +738,10 @@ def main(argv=None):
               f"{args.samples} samples × {args.repeats} repeats on {args.device} (eval mode: "
               f"dropout off)",
               file=sys.stderr, flush=True)
-        row = measure_checkpoint(path, args)
+        try:
+            row = measure_checkpoint(path, args)
+        except (ValueError, FileNotFoundError) as e:
+            sys.exit(f"hessian.py: error: {e}")
         if row is None:
             continue
         print(json.dumps(row), flush=True)

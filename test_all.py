@@ -140,25 +140,29 @@ def test_data_pcfg_mask_is_summed_out():
             assert (brute == 0 and lp == -math.inf) or abs(lp - math.log(brute)) < 1e-10
 
 
+def _data_brute_span_posterior(g, x, span):
+    """Pr(the first min(span, len) words form a constituent labelled s | x), by enumeration."""
+    S, B, R = g.n_symbols, g.binary.tolist(), g.root.tolist()
+    px, ins = _data_brute_inside(g, x)
+    m = min(span, len(x))
+
+    def forced(j, a, s):  # Pr(x[0:j] from a, with [0, m) a constituent labelled s)
+        if j == m:
+            return ins(0, m, a) * (a == s)
+        return sum(B[a][b][c] * forced(k, b, s) * ins(k, j, c) for k in range(m, j)
+                   for b in range(S) for c in range(S) if B[a][b][c])
+    return torch.tensor([sum(R[a] * forced(len(x), a, s) for a in range(S)) / px
+                         for s in range(S)], dtype=torch.float64)
+
+
 def test_data_pcfg_span_posterior_equals_brute_force():
     g = _data_tiny_pcfg()
     tokens, lengths = _data_batch(_DATA_XS, 6, 3)
-    S, B, R = g.n_symbols, g.binary.tolist(), g.root.tolist()
     for span in (1, 2, 3, 8):
         post = g.span_posterior(tokens, lengths, span)
         for i, x in enumerate(_DATA_XS):
-            px, ins = _data_brute_inside(g, x)
-            m = min(span, len(x))
-
-            def forced(j, a, s):  # Pr(x[0:j] from a, with [0, m) a constituent labelled s)
-                if j == m:
-                    return ins(0, m, a) * (a == s)
-                return sum(B[a][b][c] * forced(k, b, s) * ins(k, j, c) for k in range(m, j)
-                           for b in range(S) for c in range(S) if B[a][b][c])
-
-            brute = [sum(R[a] * forced(len(x), a, s) for a in range(S)) / px for s in range(S)]
-            assert torch.allclose(post[i], torch.tensor(brute, dtype=torch.float64),
-                                  atol=1e-12, rtol=0)
+            brute = _data_brute_span_posterior(g, x, span)
+            assert torch.allclose(post[i], brute, atol=1e-12, rtol=0)
 
 
 def test_data_pcfg_sampling_matches_log_prob():
@@ -298,10 +302,13 @@ def test_data_pcfg_authors_rules_load_if_present():
 def test_data_pcfg_tasks():
     g = _data_tiny_pcfg()
     assert g.tasks == ["A", "B", "C"] and g.n_classes("B") == 3
-    t, l, y = g.task_data("C", 30, seed=0)
-    post = g.span_posterior(t, l, 8)
-    assert t.shape == (30, 6) and (post.sum(1) > 0).all()
-    assert torch.equal(y, post.argmax(1))
+    for task in ("A", "C"):
+        t, l, y = g.task_data(task, 30, seed=0)
+        assert t.shape == (30, 6)
+        for i in range(30):   # the Bayes label: argmax of the enumerated span posterior
+            brute = _data_brute_span_posterior(g, t[i, :l[i]].tolist(), g._span_length(task))
+            top2 = brute.topk(2).values
+            assert brute.sum() > 0 and (y[i] == brute.argmax() or top2[0] - top2[1] < 1e-12)
 
 
 def test_data_spec_round_trip(tmp_path):
@@ -623,6 +630,20 @@ def test_data_hmm_spec_round_trip():
     tokens, lengths = h.sentences(50, seed=2)
     assert torch.equal(tokens, h2.sentences(50, seed=2)[0])
     assert torch.equal(h.mlm_conditional(tokens, lengths), h2.mlm_conditional(tokens, lengths))
+
+
+def test_data_hmm_task_labels_are_bayes_by_enumeration():
+    """Task k's label is argmax_s Pr(h_k = s | x), the posterior found by summing over every
+    hidden path (4 states, length 4); the sampled variant is the state itself."""
+    h = _data_hmm_tiny_blocks()
+    tokens, _, labels = h.task_data("3", 12, seed=4)
+    for i in range(12):
+        x = tokens[i].tolist()
+        post = torch.zeros(h.n_states, dtype=torch.float64)
+        for hs in itertools.product(range(h.n_states), repeat=4):
+            post[hs[2]] += _data_hmm_joint(h, x, hs)
+        top2 = post.topk(2).values
+        assert labels[i] == post.argmax() or (top2[0] - top2[1]) / post.sum() < 1e-12
 
 
 def test_data_hmm_task_labels():
@@ -1288,6 +1309,10 @@ def test_train_wrong_files_give_one_line_errors(tmp_path):
         assert path in str(e.value) and "\n" not in str(e.value)
         with pytest.raises(SystemExit, match=re.escape(message)):
             train.parse_args(["--resume", path])
+        if os.path.exists(path):
+            for script in (hessian, probe):
+                with pytest.raises(SystemExit, match=re.escape(message)):
+                    script.main([path])
 
 
 def test_train_resume_refusals_and_completion(tmp_path, capsys):
