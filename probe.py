@@ -1,45 +1,42 @@
-"""Downstream transfer of each checkpoint: linear probe and fine-tuning (paper §2.3, §4, App. A.4),
-and the summary table that joins pre-training loss, flatness and accuracy (Figs. 3 and 5, Table 2).
+"""Downstream transfer of each checkpoint: linear probe and fine-tuning (§2.3, §4, App. A.4),
+and the summary that joins pre-training loss, flatness and accuracy (Figs. 3-5, Table 2).
 
-The paper's evidence is one table per experiment: for every checkpoint its pre-training loss (KL to
-the true conditional), the trace of the Hessian (hessian.py) and its downstream accuracy, with the
-R² of accuracy regressed on the trace. This script produces the accuracy column and the table.
-
-Downstream data comes from the checkpoint's own language (`lang.task_data(task, n, seed)` in
-data.py: PCFG tasks A/B/C, HMM task-k, the teacher language's task). One sample of n_train + n_test
-sentences is drawn with `--data-seed`; the first n_test are the held-out test split, the rest the
-training split. The sample is the same for every checkpoint and every probe seed, so checkpoints are
-compared on identical data and the reported std is the probe's own randomness (see SEEDS below).
+Downstream data comes from the checkpoint's own language (`lang.task_data` in data.py: PCFG
+tasks A/B/C, HMM task k, the teacher's topic). One sample of n_train + n_test sentences is drawn
+with `--data-seed`; the first n_test are the test split. The sample is the same for every
+checkpoint and probe seed, so two checkpoints are compared on the SAME test sentences.
 
 - Linear probe (App. A.4): the frozen model's last-layer features of all tokens concatenated
-  (`features(tokens)` [n, T, d] -> [n, T*d], positions past the sentence's end set to 0), a fixed
-  random Gaussian projection to 512 dimensions (so the probe's capacity does not grow with the
-  model), then a linear softmax head trained with AdamW, lr 1e-3, batch 512, 100 epochs. The
-  encoder is frozen, so features are computed once and the 100 epochs cost only the head.
-  The authors' released probe (`run_lp.py`) had NO projection: it is `--no-projection` here.
-- Fine-tuning (App. A.4): the whole network plus a linear head on all tokens' features concatenated
-  (the paper's head reads BERT's CLS token; our languages have none, so it reads the linear probe's
-  representation, unprojected), AdamW lr 3e-3 (the paper's 1e-4 is for 0.1M examples), 200 warm-up
-  steps then linear decay, 10 epochs, batch 128, gradient clipping 1.0 (the authors' script).
-- SEEDS: both report mean ± std (sample std, ddof=1) over 5 seeds, as the paper does. Seed s changes
-  the projection, the head's initialisation and the order of mini-batches (and dropout when
-  fine-tuning); it does not change the downstream sample (use --data-seed for that).
-- A lookup-table checkpoint (kind "lookup", App. A.4) is probed the same way: its features are the
-  true conditionals Pr(x_t = . | x_-t) at every position. It has no weights, so it cannot be
-  fine-tuned. Adversarially trained checkpoints are ordinary "mlm" checkpoints.
+  ([n, T, d] -> [n, T*d], zero past the sentence's end), a fixed random Gaussian projection to
+  512 dimensions (the probe's capacity does not grow with the model), standardised, then a
+  linear softmax head trained with AdamW, lr 1e-3, batch 512, 100 epochs. The authors' released
+  probe (`run_lp.py`) had no projection: `--no-projection`.
+- Fine-tuning (App. A.4): the whole network plus a linear head on all tokens' features
+  concatenated (the paper's head reads BERT's CLS token; our languages have none, so it reads
+  the linear probe's representation, unprojected), AdamW lr 3e-3 (the paper's 1e-4 is for 0.1M
+  examples), 200 warm-up steps then linear decay, 10 epochs, batch 128, clipping 1.0.
+- Seeds: mean ± std (ddof=1) over probe seeds, as the paper. A seed changes the projection, the
+  head's initialisation and the batch order, not the data. Each row also keeps, per test
+  sentence, how many seeds got it right (`n_correct`): paired comparisons need it.
+- A lookup-table checkpoint (App. A.4) is probed the same way (features = the true
+  conditionals); it has no weights to fine-tune.
 
-Run (from the repository root):
-    python probe.py runs/hmm/ckpt_*.pt --task 6                  # linear probe, 5 seeds each
-    python probe.py runs/hmm/ckpt_0004000.pt --task 6 --method finetune --epochs 3
-    python probe.py --summary runs/hmm runs/hmm_lr3e-4 --csv summary.csv
+The summary (`--summary RUN_DIR ...`) prints one row per checkpoint (KL ± kl_se, the trace and
+eigenvalues, accuracy per probe setting), then, per group of runs (runs named GROUP-sSEED, one
+per training seed), the R² and slope sign of accuracy on the trace, on KL and on log KL, and
+the trace's partial r² given KL, so flatness is never credited with what the loss explains.
+`--compare A B` gives the accuracy difference of two checkpoints of each training seed on the
+same test sentences with its paired standard error, the mean over seeds with its standard error,
+and, for `B = GROUP@kl`, the matched-KL pairing with its margin and the next-best pairing.
 
-A probe run prints progress to stderr and, per checkpoint, one JSON row to stdout, appended to
-runs/NAME/probe.jsonl:
+    python probe.py runs/e1-s0/ckpt_*.pt --seeds 3                     # task: the language's first
+    python probe.py runs/e1-s0/ckpt_0006000.pt --method finetune
+    python probe.py --summary runs/e1-s{0,1,2} --compare e1@3000 e1@last --plot e1.png
+
+Each probed checkpoint prints (stdout) and appends to runs/NAME/probe.jsonl one JSON row:
     {"ckpt": ..., "step": 4000, "task": "6", "method": "linear", "acc": 0.81, "acc_std": 0.004,
-     "accs": [...], "n_train": 4000, "n_test": 2000, "seeds": [0, 1, 2, 3, 4], ...}
-`--summary` prints one row per (run, checkpoint step): eval loss, entropy and KL from metrics.jsonl,
-the trace ± std and other flatness measures from hessian.jsonl, accuracy ± std per (method, task)
-from probe.jsonl; then the R² of each accuracy column regressed on the trace.
+     "accs": [...], "n_correct": [...], "n_train": 4000, "n_test": 2000, ...}
+progress goes to stderr.
 """
 import argparse
 import copy
@@ -59,7 +56,7 @@ import data
 import train
 
 # ----------------------------------------------------------------------------- settings (App. A.4)
-PROJ_DIM = 512          # random Gaussian projection of the concatenated features (paper; not in the released code)
+PROJ_DIM = 512          # Gaussian projection of the concatenated features (paper; not released)
 LINEAR_LR = 1e-3        # AdamW lr of the linear head
 LINEAR_EPOCHS = 100
 LINEAR_BATCH = 512      # the authors' run_lp.py
@@ -89,12 +86,14 @@ def check_task(lang, task, where=""):
     try:
         return lang.n_classes(task)
     except (ValueError, KeyError) as e:
-        raise ValueError(f"{where}no task {task!r} on the checkpoint's {lang.spec()['kind']} language "
+        raise ValueError(f"{where}no task {task!r} on the checkpoint's {lang.spec()['kind']} "
+                         f"language "
                          f"(its tasks: {lang.tasks}). data.py says: {e}") from None
 
 
 def downstream_data(lang, task, n_train, n_test, seed=0):
-    """Held-out split of `lang.task_data`: one sample of n_train + n_test; the first n_test are the test set."""
+    """Held-out split of `lang.task_data`: one sample of n_train + n_test, the first n_test
+    the test set."""
     if n_train < 2 or n_test < 1:
         raise ValueError(f"need n_train >= 2 and n_test >= 1, got {n_train} and {n_test}")
     tokens, lengths, labels = lang.task_data(task, n_train + n_test, seed)
@@ -103,55 +102,10 @@ def downstream_data(lang, task, n_train, n_test, seed=0):
     return train_split, test
 
 
-def load_task_file(path, lang, task, n_train, n_test):
-    """Task `task` of a dataset written by `python data.py KIND --out FILE`, checked against the
-    checkpoint's language; split like downstream_data (the first n_test are the test set)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"task file {path} does not exist (write one with `python data.py KIND --out FILE`)")
-    d = torch.load(path, weights_only=True)
-    if not isinstance(d, dict) or "spec" not in d or not isinstance(d.get("labels"), dict):
-        raise ValueError(f"task file {path} is not a data.py dataset (a dict with 'spec' and per-task 'labels')")
-    file_lang = data.language_from_spec(d["spec"])
-    V, file_V = lang.vocab_size, file_lang.vocab_size
-    if file_V != V:
-        raise ValueError(f"task file {path} was written for a {d['spec'].get('kind')} language with {file_V} words, "
-                         f"but the checkpoint's language has {V}: use a task file of the checkpoint's language")
-    if not _same_spec(file_lang.spec(), lang.spec()):
-        log(f"[probe] warning: task file {path} comes from a different {d['spec'].get('kind')} language with the "
-            f"same {V}-word vocabulary as the checkpoint's")
-    if str(task) not in d["labels"]:
-        raise ValueError(f"task file {path} has no task {task!r}; it has {sorted(d['labels'])}")
-    t = d["labels"][str(task)]
-    tokens, lengths, labels = t["tokens"].long(), t["lengths"].long(), t["labels"].long()
-    words = tokens[torch.arange(tokens.shape[1])[None, :] < lengths[:, None]]
-    if words.numel() and (words.min() < 0 or words.max() >= V):
-        raise ValueError(f"task file {path} holds word ids up to {int(words.max())}, outside the checkpoint's "
-                         f"vocabulary of {V} words: it is not from this language")
-    if labels.numel() and (labels.min() < 0 or labels.max() >= lang.n_classes(task)):
-        raise ValueError(f"task file {path} has labels outside 0..{lang.n_classes(task) - 1} (the checkpoint's "
-                         f"task {task!r}): it is not from this language")
-    if len(labels) < n_train + n_test:
-        raise ValueError(f"task file {path} has {len(labels)} examples of task {task!r}; "
-                         f"need n_train + n_test = {n_train + n_test} (lower --n-train/--n-test)")
-    test = (tokens[:n_test], lengths[:n_test], labels[:n_test])
-    return (tokens[n_test:n_test + n_train], lengths[n_test:n_test + n_train], labels[n_test:n_test + n_train]), test
-
-
-def _same_spec(a, b):
-    """Two language specs equal up to float rounding (rebuilding a language renormalises its rows)."""
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_spec(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same_spec, a, b))
-    if isinstance(a, float) or isinstance(b, float):
-        return isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
-    return a == b
-
-
 # ----------------------------------------------------------------------------- linear probe
 @torch.no_grad()
 def concat_features(model, tokens, lengths, batch_size=FEATURE_BATCH, device="cpu", progress=False):
-    """App. A.4: frozen last-layer features of all tokens concatenated, [n, T, d] -> [n, T*d] float32.
+    """App. A.4: frozen last-layer features of all tokens concatenated, [n, T, d] -> [n, T*d].
 
     Positions t >= length are set to 0, so the representation is that of the sentence's own tokens
     (the lookup table's conditionals are 0 there already; a network's outputs at pads are not).
@@ -159,12 +113,13 @@ def concat_features(model, tokens, lengths, batch_size=FEATURE_BATCH, device="cp
     model.eval()
     out, shown = [], time.time()
     for i in range(0, len(tokens), batch_size):
-        if progress and time.time() - shown > 5:  # e.g. a PCFG lookup table: inside-outside per sentence
+        if progress and time.time() - shown > 5:   # a PCFG lookup table: inside-outside each
             log(f"[probe]   features {i}/{len(tokens)}")
             shown = time.time()
         tok = tokens[i:i + batch_size].to(device)
         h = model.features(tok).float()                                              # (B, T, d)
-        real = torch.arange(tok.shape[1], device=device)[None, :] < lengths[i:i + batch_size, None].to(device)
+        real = (torch.arange(tok.shape[1], device=device)[None, :]
+                < lengths[i:i + batch_size, None].to(device))
         out.append((h * real[:, :, None]).flatten(1))                                # (B, T*d)
     return torch.cat(out)
 
@@ -191,10 +146,11 @@ def linear_probe(x_train, y_train, x_test, y_test, n_classes, seed, proj_dim=PRO
         R = gaussian_projection(x_train.shape[1], proj_dim, g).to(device)
         x_train, x_test = x_train @ R, x_test @ R                                    # (n, proj_dim)
     mean, std = x_train.mean(0), x_train.std(0)
-    std = torch.where(std > 1e-8 * std.max().clamp_min(1e-30), std, torch.ones_like(std))  # constant features
+    constant = std <= 1e-8 * std.max().clamp_min(1e-30)
+    std = torch.where(constant, torch.ones_like(std), std)
     x_train, x_test = (x_train - mean) / std, (x_test - mean) / std
     D = x_train.shape[1]
-    bound = 1 / math.sqrt(D)                      # nn.Linear's default init, drawn from our generator
+    bound = 1 / math.sqrt(D)                  # nn.Linear's default init, from our generator
     W = ((torch.rand(n_classes, D, generator=g) * 2 - 1) * bound).to(device).requires_grad_()
     b = ((torch.rand(n_classes, generator=g) * 2 - 1) * bound).to(device).requires_grad_()
     opt = torch.optim.AdamW([W, b], lr=lr, weight_decay=WEIGHT_DECAY)
@@ -276,8 +232,9 @@ def mean_std(values):
     return float(a.mean()), (float(a.std(ddof=1)) if len(a) > 1 else None)
 
 
-def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST, n_seeds=N_SEEDS,
-                     data_seed=0, projection=True, epochs=None, task_file=None, device="cpu", cache=None):
+def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST,
+                     n_seeds=N_SEEDS, data_seed=0, projection=True, epochs=None, device="cpu",
+                     cache=None):
     """Probe one checkpoint on `task` with every seed; returns the probe.jsonl row (App. A.4)."""
     if method not in ("linear", "finetune"):
         raise ValueError(f"method must be 'linear' or 'finetune', got {method!r}")
@@ -287,55 +244,48 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
     task = lang.tasks[0] if task is None else task
     n_classes = check_task(lang, task, where=f"{path}: ")
     if method == "finetune" and ckpt.get("kind") == "lookup":
-        raise ValueError(f"{path} is a lookup table: it has no weights to fine-tune; probe it with --method linear")
-    cache = {} if cache is None else cache        # downstream data, shared by checkpoints of one language
-    key = (json.dumps(lang.spec(), sort_keys=True), task, n_train, n_test, data_seed, task_file)
+        raise ValueError(f"{path} is a lookup table: it has no weights to fine-tune; probe it "
+                         f"with --method linear")
+    cache = {} if cache is None else cache     # downstream data, shared by one language's ckpts
+    key = (json.dumps(lang.spec(), sort_keys=True), task, n_train, n_test, data_seed)
     if key not in cache:
         t = time.time()
-        log(f"[probe] task {task}: {'reading ' + task_file if task_file else 'sampling and labelling'} "
-            f"{n_train + n_test} sentences")
-        cache[key] = (load_task_file(task_file, lang, task, n_train, n_test) if task_file
-                      else downstream_data(lang, task, n_train, n_test, seed=data_seed))
-        log(f"[probe] task {task}: {n_train} train + {n_test} test sentences, {n_classes} classes "
-            f"({time.time() - t:.1f}s)")
+        log(f"[probe] task {task}: sampling and labelling {n_train + n_test} sentences")
+        cache[key] = downstream_data(lang, task, n_train, n_test, seed=data_seed)
+        log(f"[probe] task {task}: {n_train} train + {n_test} test sentences, {n_classes} "
+            f"classes ({time.time() - t:.1f}s)")
     train_split, test_split = cache[key]
-    max_len = getattr(getattr(model, "config", None), "max_len", None)
-    if max_len is not None and train_split[0].shape[1] > max_len:
-        raise ValueError(f"{path}: task sentences have width {train_split[0].shape[1]} > the model's max_len {max_len}")
     seeds = list(range(n_seeds))
     accs, n_correct = [], torch.zeros(n_test, dtype=torch.long)   # seeds right, per test sentence
     if method == "linear":
         t = time.time()
-        # a lookup table computes exact conditionals (slow for PCFG/teacher): small batches, visible progress
+        # a lookup table computes exact conditionals (slow for PCFG/teacher): small batches
         bs = 64 if ckpt.get("kind") == "lookup" else FEATURE_BATCH
         x_train = concat_features(model, train_split[0], train_split[1], bs, device, progress=True)
         x_test = concat_features(model, test_split[0], test_split[1], bs, device, progress=True)
-        log(f"[probe] {name}: features {tuple(x_train.shape)} + {tuple(x_test.shape)} in {time.time() - t:.1f}s")
-        for s in seeds:
-            t = time.time()
+        log(f"[probe] {name}: features {tuple(x_train.shape)} + {tuple(x_test.shape)} in "
+            f"{time.time() - t:.1f}s")
+    for s in seeds:
+        t = time.time()
+        if method == "linear":
             correct = linear_probe(x_train, train_split[2], x_test, test_split[2], n_classes,
                                    seed=s, proj_dim=PROJ_DIM if projection else None,
                                    epochs=LINEAR_EPOCHS if epochs is None else epochs)
-            n_correct += correct.long()
-            accs.append(correct.float().mean().item())
-            log(f"[probe] {name}: linear seed {s + 1}/{n_seeds} acc {accs[-1]:.4f} ({time.time() - t:.1f}s)")
-    else:
-        for s in seeds:
-            t = time.time()
+        else:
             correct = finetune(model, train_split, test_split, n_classes, seed=s,
                                epochs=FT_EPOCHS if epochs is None else epochs, device=device)
-            n_correct += correct.long()
-            accs.append(correct.float().mean().item())
-            log(f"[probe] {name}: finetune seed {s + 1}/{n_seeds} acc {accs[-1]:.4f} ({time.time() - t:.1f}s)")
+        n_correct += correct.long()
+        accs.append(correct.float().mean().item())
+        log(f"[probe] {name}: {method} seed {s + 1}/{n_seeds} acc {accs[-1]:.4f} "
+            f"({time.time() - t:.1f}s)")
     acc, acc_std = mean_std(accs)
     return {"ckpt": path, "step": int(ckpt["step"]), "task": str(task), "method": method,
             "acc": acc, "acc_std": acc_std, "accs": accs, "n_train": n_train, "n_test": n_test,
             "seeds": seeds, "data_seed": data_seed, "kind": ckpt.get("kind", "mlm"),
             "language": lang.spec()["kind"], "n_classes": n_classes,
             "projection": (PROJ_DIM if projection else None) if method == "linear" else None,
-            "epochs": (LINEAR_EPOCHS if method == "linear" else FT_EPOCHS) if epochs is None else epochs,
-            "lr": LINEAR_LR if method == "linear" else FT_LR, "task_file": task_file,
-            "n_correct": n_correct.tolist(),
+            "epochs": epochs or (LINEAR_EPOCHS if method == "linear" else FT_EPOCHS),
+            "lr": LINEAR_LR if method == "linear" else FT_LR, "n_correct": n_correct.tolist(),
             "wall_s": round(time.time() - t0, 2)}
 
 
@@ -356,7 +306,7 @@ def regression(x, y):
 
 
 def r_squared(x, y):
-    """R² of the least-squares line y ~ a + b x (= squared Pearson correlation); nan if constant."""
+    """R² of the least-squares line y ~ a + b x (the squared Pearson correlation)."""
     return regression(x, y)[0]
 
 
@@ -434,7 +384,8 @@ def summary_table(run_dirs, min_step=0):
     rows, probe_cols, seen = [], [], {}
     for run in run_dirs:
         if not os.path.isdir(run):
-            raise ValueError(f"{run} is not a run directory (expected runs/NAME with metrics.jsonl)")
+            raise ValueError(f"{run} is not a run directory (expected runs/NAME with "
+                             f"metrics.jsonl)")
         name = os.path.basename(os.path.normpath(run))
         config = os.path.join(run, "config.json")
         if os.path.isfile(config):
@@ -444,7 +395,8 @@ def summary_table(run_dirs, min_step=0):
             if first[1] != spec:
                 raise ValueError(f"{name} and {first[0]} are trained on different languages: "
                                  f"their accuracies and KLs are not comparable")
-        evals = {r["step"]: r for r in read_jsonl(os.path.join(run, "metrics.jsonl")) if "eval_loss" in r}
+        evals = {r["step"]: r for r in read_jsonl(os.path.join(run, "metrics.jsonl"))
+                 if "eval_loss" in r}
         hess = {r["step"]: r for r in read_jsonl(os.path.join(run, "hessian.jsonl"))}
         for r in hess.values():
             _check_same(seen, "hessian.py", name, r, HESSIAN_SETTINGS)
@@ -701,8 +653,6 @@ def main(argv=None):
       "the authors' released probe did)")
     a("--epochs", type=int, default=None, help=f"training epochs (default {LINEAR_EPOCHS} "
       f"linear, {FT_EPOCHS} fine-tuning)")
-    a("--task-file", default=None, help="use a dataset written by `data.py --out` instead of "
-      "sampling the task")
     a("--device", default="cpu", help="cpu (default) or cuda")
     a("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     args = p.parse_args(argv)
@@ -738,7 +688,7 @@ def main(argv=None):
         try:
             row = probe_checkpoint(path, args.task, args.method, args.n_train, args.n_test,
                                    args.seeds, args.data_seed, not args.no_projection,
-                                   args.epochs, args.task_file, args.device, cache)
+                                   args.epochs, args.device, cache)
         except (ValueError, FileNotFoundError) as e:
             sys.exit(f"probe.py: error: {e}")
         line = json.dumps(row)

@@ -37,9 +37,9 @@ torch.load(weights_only=True), holding all that hessian.py and probe.py need).
   python train.py                    # lstm-62k on hmm-small, 3000 steps: KL to the truth < 0.05
   python train.py --schedule const --steps 6000 --name e1          # constant lr past convergence
   python train.py --name e1 --resume --steps 10000                 # ... extended to 10000 steps
-  python train.py --branch-from runs/e1/ckpt_0006000.pt --decay-steps 1000   # runs/e1-from6000-decay1000
+  python train.py --branch-from runs/e1/ckpt_0006000.pt --decay-steps 1000  # e1-from6000-decay1000
   python train.py --algo lookup --lang pcfg --name pcfg-lookup     # the lookup-table baseline
-  python train.py --lstm-hidden 64 --name h64     # preset with fields replaced: size sweeps (Figs. 2, 5)
+  python train.py --lstm-hidden 64 --name h64    # a preset's field replaced: size sweeps (Fig. 2)
   torchrun --nproc_per_node=8 train.py --device cuda --compile --lr 1e-3 ...   # DDP on GPUs
 
 It prints one progress line per log row, e.g.
@@ -95,7 +95,7 @@ RUNTIME_ARGS = {"threads", "device", "compile"}
 STORED_DEFAULTS = {"decay_steps": 0, "branch_from": None}
 
 # Independent random streams, each a function of (seed, step, rank): see stream_seed().
-STREAMS = {"init": 1, "data": 2, "mask": 3, "dropout": 4, "pool": 5, "task": 6, "adv": 7,
+STREAMS = {"init": 1, "data": 2, "mask": 3, "dropout": 4, "task": 6, "adv": 7,
            "eval": 8, "proj": 9}
 ADV_PROJ_DIM = 512    # the adversary's projection: probe.PROJ_DIM, the evaluated probe's
 EVAL_SEED = 20230401  # the eval set depends on the language only, so runs are comparable
@@ -131,16 +131,12 @@ def make_language(name, seed):
                      f"{', '.join(LANGUAGES)} or give a .json file holding a language spec()")
 
 
-def make_batch(lang, args, step, rank, n, pool=None):
+def make_batch(lang, args, step, rank, n):
     """This rank's MLM batch at `step`: (inputs, targets [n, T]), targets -100 where nothing is
-    predicted. Sentences are fresh from the language, or drawn uniformly with replacement from
-    a fixed pool (tokens, lengths); one uniform mask per sentence (§2.1, the default) or a
-    `--mask-rate` fraction (App. E). A pure function of (args.seed, step, rank)."""
-    if pool is None:
-        tokens, lengths = lang.sentences(n, seed=stream_seed(args.seed, "data", step, rank))
-    else:
-        idx = torch.randint(pool[0].shape[0], (n,), generator=generator(args.seed, "data", step, rank))
-        tokens, lengths = pool[0][idx], pool[1][idx]
+    predicted. Fresh sentences from the language (the population loss of §3); one uniform mask
+    per sentence (§2.1, the default) or a `--mask-rate` fraction (App. E). A pure function of
+    (args.seed, step, rank)."""
+    tokens, lengths = lang.sentences(n, seed=stream_seed(args.seed, "data", step, rank))
     V, gen = lang.vocab_size, generator(args.seed, "mask", step, rank)
     if args.mask_rate is not None:
         return data.mask_rate(tokens, lengths, V, rate=args.mask_rate, generator=gen)
@@ -418,11 +414,9 @@ def check_args(args):
                        f"{args.grow_width}, {args.grow_layers})")
         if args.algo == "lookup":
             bad.append("--grow-from grows a network; --algo lookup has none")
-        if not os.path.isfile(args.grow_from):   # also on --resume: the run's net is rebuilt from it
+        if not os.path.isfile(args.grow_from):   # also on --resume: the net is rebuilt from it
             bad.append(f"--grow-from: no checkpoint file {args.grow_from!r} (train.py writes "
                        f"runs/NAME/ckpt_*.pt)")
-    if args.pool is not None and args.pool < 1:
-        bad.append(f"--pool must be >= 1 (got {args.pool})")
     if args.mask_rate is not None and not 0 < args.mask_rate <= 1:
         bad.append(f"--mask-rate must be in (0, 1] (got {args.mask_rate})")
     if not 0 <= args.warmup < 1:
@@ -551,7 +545,9 @@ def truncate_metrics(path, step):
 def fmt_time(s):
     """Seconds as m:ss or h:mm:ss."""
     s = int(s)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+    if s >= 3600:
+        return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+    return f"{s // 60}:{s % 60:02d}"
 
 
 def write_lookup(args, lang, run_dir):
@@ -619,7 +615,10 @@ def train(args):
             raise SystemExit(f"train.py: unknown --task {args.task!r} for this language: {e}")
     rank, world = setup_distributed(args)
     run_dir = os.path.join(args.runs, args.name)
-    net = None if args.algo == "lookup" else build_model(args, lang) if args.grow_from is None else grown
+    if args.algo == "lookup":
+        net = None
+    else:
+        net = build_model(args, lang) if args.grow_from is None else grown
     cfg = net.config if net is not None else None
     ckpt = start_state(args, run_dir, lang, cfg, world)
     if ckpt is not None and args.resume is not None and (args.algo == "lookup"
@@ -664,7 +663,6 @@ def train(args):
         objective = nn.parallel.DistributedDataParallel(
             objective, device_ids=[device.index] if device.type == "cuda" else None)
     per_rank = args.batch // world
-    pool = None if args.pool is None else lang.sentences(args.pool, seed=stream_seed(args.seed, "pool"))
     n_classes = None
     if args.algo == "adversarial":
         task_tokens, _, task_labels = lang.task_data(args.task, args.adv_pool,
@@ -673,13 +671,15 @@ def train(args):
     ev = make_eval_set(lang, args.eval_n) if rank == 0 else None
     if rank == 0:
         n_params = sum(p.numel() for p in net.parameters())
-        size = ", ".join(f"{k}={getattr(args, k)}" for k in SIZE_OVERRIDES if getattr(args, k) is not None)
+        size = ", ".join(f"{k}={getattr(args, k)}" for k in SIZE_OVERRIDES
+                         if getattr(args, k) is not None)
         what = (f"{args.preset}{f' with {size}' if size else ''}" if args.grow_from is None
                 else f"{args.grow_from} grown")
         where = args.lang if args.grow_from is None else f"its {lang.spec()['kind']} language"
         print(f"{run_dir}: {what} ({n_params:,} params, {cfg.arch}) on {where} "
-              f"(V={V}, T={lang.max_len}), {args.algo}, global batch {args.batch} over {world} proc, "
-              f"{args.steps} steps; eval entropy {float((ev['weight'] * ev['row_entropy']).sum()):.4f} nats")
+              f"(V={V}, T={lang.max_len}), {args.algo}, global batch {args.batch} over {world} "
+              f"proc, {args.steps} steps; eval entropy "
+              f"{float((ev['weight'] * ev['row_entropy']).sum()):.4f} nats")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def checkpoint(step):
@@ -717,10 +717,11 @@ def train(args):
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, args)
             torch.manual_seed(stream_seed(args.seed, "dropout", step, rank))
-            inputs, targets = make_batch(lang, args, step, rank, per_rank, pool)
+            inputs, targets = make_batch(lang, args, step, rank, per_rank)
             task_batch = None
             if args.algo == "adversarial":
-                idx = torch.randperm(args.adv_pool, generator=generator(args.seed, "adv", step, rank))
+                idx = torch.randperm(args.adv_pool,
+                                     generator=generator(args.seed, "adv", step, rank))
                 idx = idx[:args.adv_n1 + args.adv_n2]               # D1 = first n1, D2 = the rest
                 task_batch = task_tokens[idx].to(device)
             with autocast:
@@ -766,7 +767,8 @@ def train(args):
                 eta = (now - t_start) / (step - start_step) * (args.steps - step)
                 kl = f" | kl {row['kl']:.4f}" if "kl" in row else ""
                 kl += f" | adv_loss {row['adv_loss']:.4f}" if "adv_loss" in row else ""
-                print(f"step {step:7d}/{args.steps} | loss {row['loss']:.4f}{kl} | lr {row['lr']:.1e}"
+                print(f"step {step:7d}/{args.steps} | loss {row['loss']:.4f}{kl} | "
+                      f"lr {row['lr']:.1e}"
                       f" | {row['tokens_per_s'] / 1e3:5.0f}k tok/s | {fmt_time(row['wall'])} "
                       f"elapsed, ETA {fmt_time(eta)}", flush=True)
             if is_ckpt:
@@ -816,7 +818,7 @@ def parse_args(argv=None):
       help="with --grow-from: width factor k (heads / LSTM hidden units times k; default 2)")
     a("--grow-layers", type=int, default=None,
       help="with --grow-from: transformer blocks added on top (default 0; not for LSTMs)")
-    a("--algo", default="adamw", choices=ALGOS, help="pre-training algorithm (default adamw; see above)")
+    a("--algo", default="adamw", choices=ALGOS, help="pre-training algorithm (default adamw)")
     a("--steps", type=int, default=3000, help="number of updates (default 3000); with --resume: "
       "a larger number extends a --schedule const run")
     a("--batch", type=int, default=256, help="global batch in sentences, split over processes")
@@ -834,8 +836,6 @@ def parse_args(argv=None):
     a("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
     a("--mask-rate", type=float, default=None,
       help="mask this fraction of tokens (App. E: 0.15) instead of one per sentence")
-    a("--pool", type=int, default=None, help="train on a fixed pool of N sentences "
-      "(uniform draws with replacement) instead of fresh samples every step")
     a("--task", default=None, help="adversarial: downstream task (default: the language's first)")
     a("--adv-lambda", type=float, default=0.1,
       help="adversarial: weight lambda of -loss_D2 (default 0.1; 1.0 diverged to NaN on the "
