@@ -1,28 +1,32 @@
-"""Numerical check of the flattest-solution theorem on a Dyck-like language (paper Section 5, Thm 5.1, App. F).
+"""Numerical check of the flattest-solution theorem on a Dyck-like language
+(paper Section 5, Thm 5.1, App. F).
 
 Every step of the Section 5 argument becomes a number: two zero-loss one-layer transformers
 (a transferable one and a memorising random-features one), the exact trace of the Hessian of
 the masked-LM loss at each, the Lemma F.1 lower bound, a numerical search for the flattest
 zero-loss solution, and the downstream loss / failure probability of Theorem 5.1.
 
-Run (defaults: 72 s wall, 26 s CPU, one thread, measured on a 2-core machine shared with other jobs):
+Run (defaults: 72 s wall, 26 s CPU, one thread, measured on a 2-core machine shared with
+other jobs):
 
     python dyck_theory.py                       # T=6, m=160, n=10: each claim, numbers, PASS/FAIL
-    python dyck_theory.py --T 8 --m 64 --n 20   # larger T (support enumerated up to T=14; m < 576, so
-                                                # random features cannot interpolate and those lines FAIL)
+    python dyck_theory.py --T 8 --m 64 --n 20   # larger T (support enumerated up to T=14;
+                                                # m < 576, so random features cannot
+                                                # interpolate and those lines FAIL)
     python dyck_theory.py --json                # one JSON object instead (schema at the end)
 
 SETTING (our conventions; the extracted paper text garbles several symbols)
   Sentences: x in {"(", ")"}^T, T even >= 6, with T/2 of each bracket, uniform. One position t is
-  masked uniformly. Encoding in d = 2T: "(" at j -> e_j, ")" at j -> -e_j, the mask at t -> sigma*e_{T+t},
-  sigma uniform in {+1,-1}. For T <= 14 the support (sentence x masked position x mask sign,
-  C(T,T/2)*T*2 points, 240 at T=6) is enumerated and every expectation below is exact; above it is
-  sampled (SAMPLED_SUPPORT points).
-  Target: y = g*(x) = #"(" - #")" among the visible tokens = 1_T^T z_{1:T}, z = sum_j x_j. On a masked
-  sentence y = -1 if the masked bracket is "(" and +1 if it is ")" (the paper writes g = -1_T^T z_{1:T}
-  with the opposite sign; every statement is symmetric under y -> -y).
-  Downstream: x in {"(", ")"}^T i.i.d. uniform, no mask, same encoding, target g*(x) = 1_T^T z_{1:T},
-  which ranges over {-T, -T+2, ..., T} (not only +-1, as the proof of Thm 5.1 in App. F writes).
+  masked uniformly. Encoding in d = 2T: "(" at j -> e_j, ")" at j -> -e_j, the mask at t ->
+  sigma*e_{T+t}, sigma uniform in {+1,-1}. For T <= 14 the support (sentence x masked position x
+  mask sign, C(T,T/2)*T*2 points, 240 at T=6) is enumerated and every expectation below is exact;
+  above it is sampled (SAMPLED_SUPPORT points).
+  Target: y = g*(x) = #"(" - #")" among the visible tokens = 1_T^T z_{1:T}, z = sum_j x_j. On a
+  masked sentence y = -1 if the masked bracket is "(" and +1 if it is ")" (the paper writes
+  g = -1_T^T z_{1:T} with the opposite sign; every statement is symmetric under y -> -y).
+  Downstream: x in {"(", ")"}^T i.i.d. uniform, no mask, same encoding, target
+  g*(x) = 1_T^T z_{1:T}, which ranges over {-T, -T+2, ..., T} (not only +-1, as the proof of
+  Thm 5.1 in App. F writes).
 
 MODEL (paper Sec. 5)  f(x) = (1/m) u^T relu(V h(x)),  h(x) = sum_j a_j x_j,
   a = softmax_j(<Q x_1, K x_j>), Q, K in R^{k x d} (k = d here), V in R^{m x d}, u in R^m.
@@ -37,55 +41,65 @@ LEMMA F.4 (trace at zero loss). grad^2 L = 2 E[grad f grad f^T] + 2 E[(f - y) gr
 LEMMA F.1 (lower bound), re-derived for these conventions. Per input, with p = V h, D = 1[p > 0]:
   ||grad_u f||^2 = (1/m^2) sum_i relu(p_i)^2,    ||grad_V f||^2 = (1/m^2) sum_i u_i^2 D_i ||h||^2.
   Dropping the Q, K terms (>= 0) and using a^2 + b^2 >= 2ab (AM-GM) neuron by neuron:
-  ||grad_V f||^2 + ||grad_u f||^2 >= (2/m^2) ||h|| sum_i relu(p_i)|u_i| >= (2/m^2) ||h|| |sum_i u_i relu(p_i)|
-                                   = (2/m) ||h|| |f(x)| = (2/m) ||h||       (|f| = |y| = 1 at zero loss).
-  The x_j of one masked sentence are orthonormal, so ||h||^2 = sum_j a_j^2 >= 1/T (equality iff a_j = 1/T).
+  ||grad_V f||^2 + ||grad_u f||^2
+      >= (2/m^2) ||h|| sum_i relu(p_i)|u_i| >= (2/m^2) ||h|| |sum_i u_i relu(p_i)|
+      = (2/m) ||h|| |f(x)| = (2/m) ||h||       (|f| = |y| = 1 at zero loss).
+  The x_j of one masked sentence are orthonormal, so ||h||^2 = sum_j a_j^2 >= 1/T
+  (equality iff a_j = 1/T).
   Hence  Tr grad^2_psi L + Tr grad^2_u L  >=  4 / (m sqrt(T))            (lower_bound below)
   with equality iff (i) grad_Q f = grad_K f = 0, (ii) relu(p_i) = |u_i| ||h|| whenever p_i > 0,
   (iii) no cancellation: the neurons active on one input all have u_i of one sign, (iv) uniform
-  attention. (The extracted paper reads "4/T"; its chain loses a factor 1/m in ||grad f||^2 and the 2 of
-  Lemma F.4. The constant is checked against the autograd Hessian of solution (1), which attains it.)
-  Balancing (AM-GM step): V_i -> alpha_i V_i, u_i -> u_i / alpha_i leaves f unchanged (relu is positively
-  homogeneous) and changes the trace by alpha_i^2 A_i + B_i / alpha_i^2 (A_i = E relu(p_i)^2,
-  B_i = u_i^2 E D_i ||h||^2; the Q, K terms depend on V_i u_i only); the minimum is 2 sqrt(A_i B_i) at
-  alpha_i^4 = B_i / A_i, which is condition (ii).
+  attention. (The extracted paper reads "4/T"; its chain loses a factor 1/m in ||grad f||^2 and
+  the 2 of Lemma F.4. The constant is checked against the autograd Hessian of solution (1), which
+  attains it.)
+  Balancing (AM-GM step): V_i -> alpha_i V_i, u_i -> u_i / alpha_i leaves f unchanged (relu is
+  positively homogeneous) and changes the trace by alpha_i^2 A_i + B_i / alpha_i^2
+  (A_i = E relu(p_i)^2, B_i = u_i^2 E D_i ||h||^2; the Q, K terms depend on V_i u_i only); the
+  minimum is 2 sqrt(A_i B_i) at alpha_i^4 = B_i / A_i, which is condition (ii).
 
-SOLUTION (1), transferable. Q = K = 0 (uniform attention, h = z/T), V_1 = c[1_T; 0_T], V_2 = -c[1_T; 0_T],
-  u_1 = b, u_2 = -b, other neurons 0. Then f = (b c / (m T)) y, so zero loss needs b c = m T; condition (ii)
-  needs c/T = b/sqrt(T). Hence c = sqrt(m) T^(3/4), b = sqrt(m) T^(1/4), and the trace is exactly
-  (2/m^2)(c^2/T^2 + b^2/T) = 4/(m sqrt(T)): the bound is attained.
-SOLUTION (2), memorising. Q = K = 0, V_ij ~ N(0, T) i.i.d. (the paper's N(0,T): it makes V_i h = O(1)), u the
-  minimum-norm solution of f = y on the whole support. Zero loss needs m >= 2T + T C(T,T/2) (the rank of
-  the relu features on the support: the linear part has rank 2T, the even part one constraint per +-x
-  pair); 132 at T=6, hence the default m = 160. Reported raw and after balancing; always above the bound.
+SOLUTION (1), transferable. Q = K = 0 (uniform attention, h = z/T), V_1 = c[1_T; 0_T],
+  V_2 = -c[1_T; 0_T], u_1 = b, u_2 = -b, other neurons 0. Then f = (b c / (m T)) y, so zero loss
+  needs b c = m T; condition (ii) needs c/T = b/sqrt(T). Hence c = sqrt(m) T^(3/4),
+  b = sqrt(m) T^(1/4), and the trace is exactly (2/m^2)(c^2/T^2 + b^2/T) = 4/(m sqrt(T)): the
+  bound is attained.
+SOLUTION (2), memorising. Q = K = 0, V_ij ~ N(0, T) i.i.d. (the paper's N(0,T): it makes
+  V_i h = O(1)), u the minimum-norm solution of f = y on the whole support. Zero loss needs
+  m >= 2T + T C(T,T/2) (the rank of the relu features on the support: the linear part has rank 2T,
+  the even part one constraint per +-x pair); 132 at T=6, hence the default m = 160. Reported raw
+  and after balancing; always above the bound.
 
-FLATTEST SEARCH (our method). From a random start (Q, K ~ N(0, 1/d), V ~ N(0, T), u = min-norm least-squares
-  fit, not exactly zero loss because random attention breaks interpolation), minimise
+FLATTEST SEARCH (our method). From a random start (Q, K ~ N(0, 1/d), V ~ N(0, T), u = min-norm
+  least-squares fit, not exactly zero loss because random attention breaks interpolation), minimise
   Tr/bound subject to f = y on the support by an augmented Lagrangian: Adam on
   Tr_closed(theta)/bound + lambda^T c + (mu/2)||c||^2, c = f - y, with the multipliers updated
-  (lambda += mu c) every SEARCH_INNER steps, an exact balancing step (above) each outer round, and finally
-  the minimum-norm correction of u that makes the loss exactly 0 (f is linear in u). Tr_closed is the
-  closed form of 2 E||grad f||^2 (Lemma F.4; the Q, K parts are ||grad_Q f||^2 = ||K X^T g||^2 and
-  ||grad_K f||^2 = ||Q x_1||^2 ||g||^2 with g = d f / d logits), checked against autograd in the tests.
-  A run "reaches the bound" when its trace (2 E||grad f||^2, exact at zero loss by Lemma F.4; the best run's
-  is also recomputed by the autograd Hessian) is within SEARCH_TOL of it. At the defaults all 3 runs end
-  0.16-0.27% above the bound (not exactly on it: small leftover position components of V).
+  (lambda += mu c) every SEARCH_INNER steps, an exact balancing step (above) each outer round, and
+  finally the minimum-norm correction of u that makes the loss exactly 0 (f is linear in u).
+  Tr_closed is the closed form of 2 E||grad f||^2 (Lemma F.4; the Q, K parts are
+  ||grad_Q f||^2 = ||K X^T g||^2 and ||grad_K f||^2 = ||Q x_1||^2 ||g||^2 with g = d f / d logits),
+  checked against autograd in the tests.
+  A run "reaches the bound" when its trace (2 E||grad f||^2, exact at zero loss by Lemma F.4; the
+  best run's is also recomputed by the autograd Hessian) is within SEARCH_TOL of it. At the defaults
+  all 3 runs end 0.16-0.27% above the bound (not exactly on it: small leftover position components
+  of V).
 
 DOWNSTREAM (Thm 5.1). On top of psi, u~ = argmin ||u|| s.t. zero training loss on n i.i.d. samples
-  (u~ = pinv(Phi_S) g*_S), population loss exact over all 2^T inputs. If psi attains the bound, attention is
-  uniform on downstream inputs too (uniformity on the support forces x_1^T Q^T K x_j = 0) and, by Lemma F.3
-  (content rows of V = +-c_i 1_T; confirmed by the search), every active neuron reads relu(+-c_i g*(x)/T), so the features
-  span {relu(g*), relu(-g*)}: u~ is exact iff the sample contains some g* > 0 AND some g* < 0 (g* = 0 carries
-  no information). With q = C(T,T/2)/2^T = Pr(g* = 0) and p = (1-q)/2:
+  (u~ = pinv(Phi_S) g*_S), population loss exact over all 2^T inputs. If psi attains the bound,
+  attention is uniform on downstream inputs too (uniformity on the support forces
+  x_1^T Q^T K x_j = 0) and, by Lemma F.3 (content rows of V = +-c_i 1_T; confirmed by the search),
+  every active neuron reads relu(+-c_i g*(x)/T), so the features span {relu(g*), relu(-g*)}: u~ is
+  exact iff the sample contains some g* > 0 AND some g* < 0 (g* = 0 carries no information). With
+  q = C(T,T/2)/2^T = Pr(g* = 0) and p = (1-q)/2:
       Pr(failure) = 2 (1-p)^n - q^n        (exact; 0.029621 at T = 6, n = 10)
-  The theorem claims Pr(failure) <= 2^(-n) (0.000977 at n = 10). THAT BOUND DOES NOT HOLD in this setting:
-  the exact failure probability is 0.029621 at T = 6, n = 10 (30x the claim), and it exceeds 2^(-n) for every
-  n >= 1 and every even T >= 6 (1 - p >= 1/2). Even if g* took only the values +-1 with probability 1/2 each
-  (as App. F's proof treats it) the failure probability would be 2 * 2^(-n) = 2^(1-n), twice the claim.
+  The theorem claims Pr(failure) <= 2^(-n) (0.000977 at n = 10). THAT BOUND DOES NOT HOLD in this
+  setting: the exact failure probability is 0.029621 at T = 6, n = 10 (30x the claim), and it
+  exceeds 2^(-n) for every n >= 1 and every even T >= 6 (1 - p >= 1/2). Even if g* took only the
+  values +-1 with probability 1/2 each (as App. F's proof treats it) the failure probability would
+  be 2 * 2^(-n) = 2^(1-n), twice the claim.
   The script measures it over FAILURE_DRAWS draws and prints measured, exact and claimed values.
 
 Prints one line per claim ("PASS"/"FAIL" with the numbers), or with --json one object
-{"T","m","n","mlm_loss":{...},"trace":{...},"downstream_loss":{...},"downstream_failure_probability":{...}}.
+{"T","m","n","mlm_loss":{...},"trace":{...},"downstream_loss":{...},
+"downstream_failure_probability":{...}}.
 """
 import argparse
 import itertools
@@ -99,11 +113,13 @@ from torch.func import grad, vmap
 
 # ----------------------------------------------------------------------------- constants
 DTYPE = torch.float64            # exact probabilities and losses: float64 throughout
-ENUM_MAX_T = 14                  # enumerate the pre-training support (and the 2^T downstream inputs) up to here
+ENUM_MAX_T = 14                  # enumerate the pre-training support (and the 2^T downstream
+                                 # inputs) up to here
 SAMPLED_SUPPORT = 20000          # support points drawn when T > ENUM_MAX_T
 ZERO_LOSS_TOL = 1e-12            # "zero" MLM / downstream loss
 SEARCH_RUNS = 3                  # random initialisations of the flattest search
-SEARCH_OUTER = 8                 # augmented-Lagrangian rounds (multiplier update, balancing, fresh Adam)
+SEARCH_OUTER = 8                 # augmented-Lagrangian rounds (multiplier update, balancing,
+                                 # fresh Adam)
 SEARCH_INNER = 100               # Adam steps per round
 SEARCH_LR = 0.05                 # Adam lr of round 0, times SEARCH_DECAY per round
 SEARCH_DECAY = 0.7
@@ -114,9 +130,11 @@ MAX_DEFAULT_WIDTH = 1024         # above this (T >= 10) --m must be given
 
 
 def check_args(T, m, n):
-    """Reject arguments outside Thm 5.1's setting (T even >= 6, m >= 2, n >= 1) with a usable message."""
+    """Reject arguments outside Thm 5.1's setting (T even >= 6, m >= 2, n >= 1) with a usable
+    message."""
     if T < 6 or T % 2:
-        raise ValueError(f"T must be even and >= 6 (Thm 5.1 assumes T >= 6; sentences need T/2 of each bracket), got T={T}")
+        raise ValueError(f"T must be even and >= 6 (Thm 5.1 assumes T >= 6; sentences need T/2 "
+                         f"of each bracket), got T={T}")
     if m < 2:
         raise ValueError(f"m must be >= 2 (solution (1) needs two neurons), got m={m}")
     if n < 1:
@@ -124,7 +142,8 @@ def check_args(T, m, n):
 
 
 def rf_min_width(T):
-    """Rank of the relu random features on the support: 2T (linear part) + T*C(T,T/2) (even part, one per +-x pair)."""
+    """Rank of the relu random features on the support: 2T (linear part) + T*C(T,T/2)
+    (even part, one per +-x pair)."""
     return 2 * T + T * math.comb(T, T // 2)
 
 
@@ -141,7 +160,8 @@ def balanced_sentences(T):
 
 
 def encode(brackets, mask_pos=None, mask_sign=None):
-    """Encoding of Sec. 5: bracket b_j -> b_j e_j; the mask at t -> sigma e_{T+t}. brackets [N,T] +-1 -> X [N,T,2T]."""
+    """Encoding of Sec. 5: bracket b_j -> b_j e_j; the mask at t -> sigma e_{T+t}.
+    brackets [N,T] +-1 -> X [N,T,2T]."""
     N, T = brackets.shape
     X = torch.zeros(N, T, 2 * T, dtype=DTYPE)
     idx = torch.arange(T)
@@ -162,8 +182,10 @@ def pretraining_support(T, seed=0):
     if T <= ENUM_MAX_T:
         S = balanced_sentences(T)
         C = S.shape[0]
-        s_idx, t_idx, sg = torch.meshgrid(torch.arange(C), torch.arange(T), torch.arange(2), indexing="ij")
-        brackets, pos, sign = S[s_idx.reshape(-1)], t_idx.reshape(-1), 1.0 - 2.0 * sg.reshape(-1).to(DTYPE)
+        s_idx, t_idx, sg = torch.meshgrid(torch.arange(C), torch.arange(T), torch.arange(2),
+                                          indexing="ij")
+        brackets, pos, sign = (S[s_idx.reshape(-1)], t_idx.reshape(-1),
+                               1.0 - 2.0 * sg.reshape(-1).to(DTYPE))
     else:
         g = torch.Generator().manual_seed(seed)
         base = torch.tensor([1.0] * (T // 2) + [-1.0] * (T // 2), dtype=DTYPE)
@@ -176,7 +198,8 @@ def pretraining_support(T, seed=0):
 
 
 def downstream_population(T, seed=0):
-    """Downstream P_ds: all 2^T bracket strings (T <= ENUM_MAX_T; else 2^ENUM_MAX_T samples) -> (X, g*)."""
+    """Downstream P_ds: all 2^T bracket strings (T <= ENUM_MAX_T; else 2^ENUM_MAX_T samples)
+    -> (X, g*)."""
     if T <= ENUM_MAX_T:
         brackets = torch.tensor(list(itertools.product((1.0, -1.0), repeat=T)), dtype=DTYPE)
     else:
@@ -214,15 +237,18 @@ def zero_attention(T):
     return torch.zeros(d, d, dtype=DTYPE), torch.zeros(d, d, dtype=DTYPE)
 
 
-# ----------------------------------------------------------------------------- traces (Lemma F.4, F.1)
+# -------------------------------------------------------------------------- traces (Lemma F.4, F.1)
 PARAM_ORDER = ("Q", "K", "V", "u")
 
 
 def hessian_trace(params, X, y):
-    """Exact Tr grad^2_B L for each block B in {Q,K,V,u} and "total", by autograd over the whole support.
+    """Exact Tr grad^2_B L for each block B in {Q,K,V,u} and "total", by autograd over the
+    whole support.
 
-    psi = (Q, K, V), so total = Tr grad^2_psi L + Tr grad^2_u L (the trace needs only the diagonal blocks).
-    Diagonal entry p = d/d theta_p of (dL/d theta_p): reverse-over-reverse, one backward pass per parameter.
+    psi = (Q, K, V), so total = Tr grad^2_psi L + Tr grad^2_u L (the trace needs only the
+    diagonal blocks).
+    Diagonal entry p = d/d theta_p of (dL/d theta_p): reverse-over-reverse, one backward pass
+    per parameter.
     """
     leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
     loss = mlm_loss(leaves, X, y)
@@ -232,20 +258,25 @@ def hessian_trace(params, X, y):
         g = g.reshape(-1)
         total = 0.0
         for p in range(g.numel()):
-            if g[p].requires_grad:           # an entry with no path back to theta_p has zero second derivative
-                total += torch.autograd.grad(g[p], leaves[k], retain_graph=True)[0].reshape(-1)[p].item()
+            # an entry with no path back to theta_p has zero second derivative
+            if g[p].requires_grad:
+                total += torch.autograd.grad(g[p], leaves[k],
+                                             retain_graph=True)[0].reshape(-1)[p].item()
         out[k] = total
     out["total"] = sum(out[k] for k in PARAM_ORDER)
     return out
 
 
 def grad_norm_trace(params, X):
-    """2 E ||grad_theta f(x)||^2 from per-sample autograd gradients (= Tr grad^2 L at zero loss, Lemma F.4)."""
+    """2 E ||grad_theta f(x)||^2 from per-sample autograd gradients
+    (= Tr grad^2 L at zero loss, Lemma F.4)."""
     def f_single(p, x):
         return model_output(p, x[None])[0]
 
-    per_sample = vmap(grad(f_single), in_dims=(None, 0))({k: v.detach() for k, v in params.items()}, X)
-    out = {k: 2 * (per_sample[k] ** 2).reshape(X.shape[0], -1).sum(1).mean().item() for k in PARAM_ORDER}
+    per_sample = vmap(grad(f_single), in_dims=(None, 0))(
+        {k: v.detach() for k, v in params.items()}, X)
+    out = {k: 2 * (per_sample[k] ** 2).reshape(X.shape[0], -1).sum(1).mean().item()
+           for k in PARAM_ORDER}
     out["total"] = sum(out[k] for k in PARAM_ORDER)
     return out
 
@@ -253,7 +284,8 @@ def grad_norm_trace(params, X):
 def trace_closed_form(params, X):
     """Differentiable closed form of 2 E||grad f||^2 (Lemma F.4), used by the search.
 
-    Per input (D = 1[Vh > 0], gamma = V^T(u*D)/m = df/dh, b_j = gamma.x_j, g_j = a_j (b_j - a.b) = df/dlogit_j):
+    Per input (D = 1[Vh > 0], gamma = V^T(u*D)/m = df/dh, b_j = gamma.x_j,
+    g_j = a_j (b_j - a.b) = df/dlogit_j):
       ||grad_u f||^2 = |relu(Vh)|^2/m^2, ||grad_V f||^2 = sum_i u_i^2 D_i |h|^2/m^2,
       ||grad_Q f||^2 = |K X^T g|^2 |x_1|^2,  ||grad_K f||^2 = |Q x_1|^2 |X^T g|^2.
     """
@@ -276,15 +308,18 @@ def trace_closed_form(params, X):
 
 
 def lower_bound(T, m):
-    """Lemma F.1 in our conventions: Tr grad^2_psi L + Tr grad^2_u L >= 4 / (m sqrt(T)) at zero MLM loss."""
+    """Lemma F.1 in our conventions: Tr grad^2_psi L + Tr grad^2_u L >= 4 / (m sqrt(T)) at zero
+    MLM loss."""
     return 4.0 / (m * math.sqrt(T))
 
 
 def balance(params, X):
-    """AM-GM step of Lemma F.1: rescale V_i -> alpha_i V_i, u_i -> u_i/alpha_i (f unchanged) to minimise the trace.
+    """AM-GM step of Lemma F.1: rescale V_i -> alpha_i V_i, u_i -> u_i/alpha_i (f unchanged) to
+    minimise the trace.
 
-    Trace contribution of neuron i is alpha^2 A_i + B_i/alpha^2 (A_i = E relu(V_i h)^2, B_i = u_i^2 E 1[V_i h>0]|h|^2),
-    minimal at alpha^4 = B_i/A_i. Neurons with A_i = 0 or u_i = 0 do not affect f and are set to zero.
+    Trace contribution of neuron i is alpha^2 A_i + B_i/alpha^2 (A_i = E relu(V_i h)^2,
+    B_i = u_i^2 E 1[V_i h>0]|h|^2), minimal at alpha^4 = B_i/A_i. Neurons with A_i = 0 or u_i = 0
+    do not affect f and are set to zero.
     """
     with torch.no_grad():
         h = attention_output(params["Q"], params["K"], X)
@@ -294,12 +329,14 @@ def balance(params, X):
         live = (A > 0) & (B > 0)
         alpha = torch.where(live, (B / torch.where(live, A, 1.0)) ** 0.25, torch.zeros_like(A))
         u = torch.where(live, params["u"] / torch.where(live, alpha, 1.0), torch.zeros_like(A))
-        return {"Q": params["Q"].clone(), "K": params["K"].clone(), "V": params["V"] * alpha[:, None], "u": u}
+        return {"Q": params["Q"].clone(), "K": params["K"].clone(),
+                "V": params["V"] * alpha[:, None], "u": u}
 
 
-# ----------------------------------------------------------------------------- the two solutions (Sec. 5)
+# ----------------------------------------------------------------------- the two solutions (Sec. 5)
 def transferable_solution(T, m):
-    """Solution (1): Q = K = 0, V_1 = -V_2 = c[1_T; 0_T], u_1 = -u_2 = b, c = sqrt(m) T^(3/4), b = sqrt(m) T^(1/4)."""
+    """Solution (1): Q = K = 0, V_1 = -V_2 = c[1_T; 0_T], u_1 = -u_2 = b, c = sqrt(m) T^(3/4),
+    b = sqrt(m) T^(1/4)."""
     Q, K = zero_attention(T)
     V = torch.zeros(m, 2 * T, dtype=DTYPE)
     u = torch.zeros(m, dtype=DTYPE)
@@ -310,32 +347,38 @@ def transferable_solution(T, m):
 
 
 def fit_u(params, X, y):
-    """Minimum-norm change of u making f = y on X (f is linear in u): u + pinv(Phi)(y - f), Phi = relu(Vh)/m."""
+    """Minimum-norm change of u making f = y on X (f is linear in u): u + pinv(Phi)(y - f),
+    Phi = relu(Vh)/m."""
     with torch.no_grad():
         h = attention_output(params["Q"], params["K"], X)
         Phi = torch.relu(h @ params["V"].T) / params["u"].shape[0]
         pinv = torch.linalg.pinv(Phi, rtol=1e-12)
         u = params["u"] + pinv @ (y - Phi @ params["u"])
-        u = u + pinv @ (y - Phi @ u)          # one step of iterative refinement (ill-conditioned Phi)
+        # one step of iterative refinement (ill-conditioned Phi)
+        u = u + pinv @ (y - Phi @ u)
     return {**{k: params[k].clone() for k in ("Q", "K", "V")}, "u": u}
 
 
 def random_features_solution(T, m, X, y, seed=0):
-    """Solution (2): Q = K = 0, V_ij ~ N(0, T) i.i.d., u = argmin ||u|| s.t. f = y on the support."""
+    """Solution (2): Q = K = 0, V_ij ~ N(0, T) i.i.d., u = argmin ||u|| s.t. f = y on the
+    support."""
     g = torch.Generator().manual_seed(seed)
     Q, K = zero_attention(T)
     V = torch.randn(m, 2 * T, generator=g, dtype=DTYPE) * math.sqrt(T)
     return fit_u({"Q": Q, "K": K, "V": V, "u": torch.zeros(m, dtype=DTYPE)}, X, y)
 
 
-# ----------------------------------------------------------------------------- flattest search (Thm 5.1's problem)
-def flattest_search_run(T, m, X, y, seed, outer=SEARCH_OUTER, inner=SEARCH_INNER, lr=SEARCH_LR, decay=SEARCH_DECAY):
+# -------------------------------------------------------------- flattest search (Thm 5.1's problem)
+def flattest_search_run(T, m, X, y, seed, outer=SEARCH_OUTER, inner=SEARCH_INNER, lr=SEARCH_LR,
+                        decay=SEARCH_DECAY):
     """One run: min Tr/bound s.t. f = y on the support, augmented Lagrangian from a random start.
 
-    Variables are Q, K and V/sqrt(m), u/sqrt(m) (then f = u'^T relu(V'h) has O(1) parameters for Adam).
+    Variables are Q, K and V/sqrt(m), u/sqrt(m) (then f = u'^T relu(V'h) has O(1) parameters for
+    Adam).
     Start: Q, K ~ N(0, 1/d), V ~ N(0, T), u = min-norm least-squares fit (small but nonzero loss).
-    Each round: `inner` Adam steps on Tr_closed/bound + mean(lambda*c) + (mu/2) mean(c^2), c = f - y; then
-    lambda += mu c, mu *= 3, exact balancing. Returns the parameters after the exact u correction and balancing.
+    Each round: `inner` Adam steps on Tr_closed/bound + mean(lambda*c) + (mu/2) mean(c^2),
+    c = f - y; then lambda += mu c, mu *= 3, exact balancing. Returns the parameters after the
+    exact u correction and balancing.
     """
     g = torch.Generator().manual_seed(seed)
     d = 2 * T
@@ -368,9 +411,11 @@ def flattest_search_run(T, m, X, y, seed, outer=SEARCH_OUTER, inner=SEARCH_INNER
 def neuron_structure(params, X, y, weight_tol=1e-3):
     """What a (near-)flattest solution looks like (Lemma F.1 equality conditions, Lemma F.3).
 
-    Live neurons: share of the trace (2 sqrt(A_i B_i), the balanced per-neuron cost) >= weight_tol. Reports the two
-    groups (u_i > 0, u_i < 0), the class each fires on, the cancelled mass E[sum_i |u_i| relu(p_i) - |sum_i u_i relu(p_i)|]/m
-    (0 iff no cancellation), min |cos(V_i[:T], 1_T)| over live neurons, max_j |a_j - 1/T| and the largest |V_i[T:]|/|V_i[:T]|.
+    Live neurons: share of the trace (2 sqrt(A_i B_i), the balanced per-neuron cost) >= weight_tol.
+    Reports the two groups (u_i > 0, u_i < 0), the class each fires on, the cancelled mass
+    E[sum_i |u_i| relu(p_i) - |sum_i u_i relu(p_i)|]/m (0 iff no cancellation),
+    min |cos(V_i[:T], 1_T)| over live neurons, max_j |a_j - 1/T| and the largest
+    |V_i[T:]|/|V_i[:T]|.
     """
     with torch.no_grad():
         T = X.shape[1]
@@ -396,13 +441,15 @@ def neuron_structure(params, X, y, weight_tol=1e-3):
             "cancelled_mass": ((r * u.abs()).sum(1) - (r * u).sum(1).abs()).mean().item() / m,
             "min_abs_cos_content_vs_1T": cos[live].min().item() if live.any() else float("nan"),
             "max_attention_deviation": (a - 1.0 / T).abs().max().item(),
-            "max_position_over_content_norm": (params["V"][live, T:].norm(dim=1)
-                                               / content[live].norm(dim=1)).max().item() if live.any() else float("nan"),
+            "max_position_over_content_norm": (
+                (params["V"][live, T:].norm(dim=1) / content[live].norm(dim=1)).max().item()
+                if live.any() else float("nan")),
         }
 
 
 def flattest_search(T, m, X, y, seed, runs=SEARCH_RUNS, log=None):
-    """Search of Thm 5.1's problem from `runs` random inits; returns a list of (params, trace/bound) (trace: Lemma F.4)."""
+    """Search of Thm 5.1's problem from `runs` random inits; returns a list of
+    (params, trace/bound) (trace: Lemma F.4)."""
     out = []
     bound = lower_bound(T, m)
     for r in range(runs):
@@ -424,16 +471,19 @@ def downstream_features(params, X):
 
 
 def min_norm_head(Phi_S, g_S):
-    """u~ = argmin ||u|| s.t. Phi_S u = g_S (batched over draws: Phi_S [R,n,m], g_S [R,n]) = Phi_S^T pinv(Phi_S Phi_S^T) g_S."""
+    """u~ = argmin ||u|| s.t. Phi_S u = g_S (batched over draws: Phi_S [R,n,m], g_S [R,n])
+    = Phi_S^T pinv(Phi_S Phi_S^T) g_S."""
     G = Phi_S @ Phi_S.transpose(1, 2)                                       # (R, n, n)
     coef = torch.linalg.pinv(G, hermitian=True, rtol=1e-10) @ g_S[:, :, None]
     return (Phi_S.transpose(1, 2) @ coef).squeeze(-1)                       # (R, m)
 
 
 def downstream_losses(params, Xd, gd, n, draws, seed, chunk=2000):
-    """Population downstream loss E_x (f_{psi,u~}(x) - g*(x))^2 (exact over the 2^T inputs) for `draws` samples of size n.
+    """Population downstream loss E_x (f_{psi,u~}(x) - g*(x))^2 (exact over the 2^T inputs) for
+    `draws` samples of size n.
 
-    Each draw: n i.i.d. uniform rows of the population (= i.i.d. uniform brackets), u~ = min-norm interpolant.
+    Each draw: n i.i.d. uniform rows of the population (= i.i.d. uniform brackets), u~ = min-norm
+    interpolant.
     Returns a [draws] float64 tensor.
     """
     g = torch.Generator().manual_seed(seed)
@@ -448,7 +498,8 @@ def downstream_losses(params, Xd, gd, n, draws, seed, chunk=2000):
 
 
 def failure_probability_exact(T, n):
-    """Pr(no g* > 0 or no g* < 0 among n samples) = 2(1-p)^n - q^n, q = C(T,T/2)/2^T = Pr(g*=0), p = (1-q)/2 = Pr(g*>0)."""
+    """Pr(no g* > 0 or no g* < 0 among n samples) = 2(1-p)^n - q^n, q = C(T,T/2)/2^T = Pr(g*=0),
+    p = (1-q)/2 = Pr(g*>0)."""
     q = math.comb(T, T // 2) / 2 ** T
     p = (1 - q) / 2
     return 2 * (1 - p) ** n - q ** n
@@ -463,7 +514,8 @@ def theorem_failure_bound(n):
 def run_checks(T, m, n, seed, log=print):
     """Compute every claim; returns (result dict, the --json object; [(claim, ok, text)]; extras).
 
-    ok is True / False, or None (N/A) for random-features lines when m < rf_min_width(T) makes zero loss impossible.
+    ok is True / False, or None (N/A) for random-features lines when m < rf_min_width(T) makes zero
+    loss impossible.
     """
     check_args(T, m, n)
     t0 = time.time()
@@ -472,8 +524,10 @@ def run_checks(T, m, n, seed, log=print):
     bound = lower_bound(T, m)
     claims = []
     claim = lambda name, ok, text: claims.append((name, ok, text))
-    exact = "exact over the enumerated support" if T <= ENUM_MAX_T else f"{X.shape[0]} sampled support points"
-    log(f"T={T}, m={m}, n={n}, seed={seed}: {X.shape[0]} MLM inputs ({exact}), {Xd.shape[0]} downstream inputs")
+    exact = ("exact over the enumerated support" if T <= ENUM_MAX_T
+             else f"{X.shape[0]} sampled support points")
+    log(f"T={T}, m={m}, n={n}, seed={seed}: {X.shape[0]} MLM inputs ({exact}), "
+        f"{Xd.shape[0]} downstream inputs")
 
     sol = {"transferable": transferable_solution(T, m),
            "random_features": random_features_solution(T, m, X, y, seed)}
@@ -484,11 +538,13 @@ def run_checks(T, m, n, seed, log=print):
 
     # 1. zero MLM loss
     loss = {k: mlm_loss(p, X, y).item() for k, p in sol.items()}
-    narrow = lambda w: w < rf_min_width(T) and T <= ENUM_MAX_T      # random features cannot interpolate: N/A
+    # random features cannot interpolate: N/A
+    narrow = lambda w: w < rf_min_width(T) and T <= ENUM_MAX_T
     for k, v in loss.items():
         na = k == "random_features" and narrow(m) and v > ZERO_LOSS_TOL
         claim(f"1. zero MLM loss, {k}", None if na else v <= ZERO_LOSS_TOL,
-              f"L = {v:.2e}" + (f" (m < {rf_min_width(T)}: too narrow to interpolate)" if na else ""))
+              f"L = {v:.2e}"
+              + (f" (m < {rf_min_width(T)}: too narrow to interpolate)" if na else ""))
 
     # 2. exact autograd trace and the Lemma F.4 identity
     hess = {k: hessian_trace(p, X, y) for k, p in sol.items()}
@@ -496,7 +552,8 @@ def run_checks(T, m, n, seed, log=print):
     for k in sol:
         rel = abs(hess[k]["total"] - ident[k]["total"]) / ident[k]["total"]
         ok = rel < 1e-8 and loss[k] <= ZERO_LOSS_TOL
-        claim(f"2. Tr H (autograd) = 2E|grad f|^2, {k}", None if (not ok and k == "random_features" and narrow(m)) else ok,
+        claim(f"2. Tr H (autograd) = 2E|grad f|^2, {k}",
+              None if (not ok and k == "random_features" and narrow(m)) else ok,
               f"{hess[k]['total']:.10g} vs {ident[k]['total']:.10g} (rel diff {rel:.1e}); "
               + ", ".join(f"Tr_{b} = {hess[k][b]:.4g}" for b in PARAM_ORDER))
 
@@ -511,21 +568,27 @@ def run_checks(T, m, n, seed, log=print):
         raw = grad_norm_trace(p, X)["total"] / lower_bound(T, w)
         bal = grad_norm_trace(balance(p, X), X)["total"] / lower_bound(T, w)
         rf_ratios[w] = (raw, bal)
-        claim(f"3. solution (2) strictly above the bound, m={w}", None if not ok_fit and narrow(w) else ok_fit and bal > 1 + 1e-6,
+        claim(f"3. solution (2) strictly above the bound, m={w}",
+              None if not ok_fit and narrow(w) else ok_fit and bal > 1 + 1e-6,
               f"trace/bound = {raw:.3f} raw (V ~ N(0,T)), {bal:.3f} after balancing"
               + ("" if ok_fit else " (not a zero-loss solution at this width)"))
 
     # 4. flattest search
     ratios = [r for _, r in search]
     reached = sum(r - 1 < SEARCH_TOL for r in ratios)
-    claim("4. search reaches the bound (within SEARCH_TOL)", reached >= 1 and min(ratios) >= 1 - 1e-9,
-          f"{reached}/{len(ratios)} runs within {SEARCH_TOL:.0%}; trace/bound = " + ", ".join(f"{r:.5f}" for r in ratios))
+    claim("4. search reaches the bound (within SEARCH_TOL)",
+          reached >= 1 and min(ratios) >= 1 - 1e-9,
+          f"{reached}/{len(ratios)} runs within {SEARCH_TOL:.0%}; trace/bound = "
+          + ", ".join(f"{r:.5f}" for r in ratios))
     st = neuron_structure(sol["flattest_search"], X, y)
     claim("4. flattest structure: two groups, no cancellation, content rows prop. to 1_T",
-          st["group_plus"] >= 1 and st["group_minus"] >= 1 and st["neurons_firing_on_both_classes"] == 0
+          st["group_plus"] >= 1 and st["group_minus"] >= 1
+          and st["neurons_firing_on_both_classes"] == 0
           and st["min_abs_cos_content_vs_1T"] > 0.99,
-          f"{st['live_neurons']} live neurons = {st['group_plus']} (u>0) + {st['group_minus']} (u<0), "
-          f"{st['neurons_firing_on_both_classes']} fire on both classes, cancelled mass {st['cancelled_mass']:.1e} (|f| = 1), "
+          f"{st['live_neurons']} live neurons = {st['group_plus']} (u>0) + "
+          f"{st['group_minus']} (u<0), "
+          f"{st['neurons_firing_on_both_classes']} fire on both classes, "
+          f"cancelled mass {st['cancelled_mass']:.1e} (|f| = 1), "
           f"min |cos(V_i[:T], 1_T)| = {st['min_abs_cos_content_vs_1T']:.5f}, "
           f"max |a_j - 1/T| = {st['max_attention_deviation']:.1e}, "
           f"max |V_i[T:]|/|V_i[:T]| = {st['max_position_over_content_norm']:.3f}")
@@ -537,14 +600,20 @@ def run_checks(T, m, n, seed, log=print):
     scale = (gd ** 2).mean().item()
     claim("5. downstream loss: transferable 0 (median draw)", med["transferable"] <= ZERO_LOSS_TOL,
           f"median L_Pds = {med['transferable']:.2e}")
-    claim("5. downstream loss: flattest search ~0 (median draw)", med["flattest_search"] <= 1e-3 * scale,
-          f"median L_Pds = {med['flattest_search']:.2e} (E g*^2 = {scale:.3g}; near-flattest, not exact)")
-    claim("5. downstream loss: random features stay positive", (ds["random_features"] > 1e-6).float().mean() > 0.99,
-          f"median L_Pds = {med['random_features']:.3g}, min over draws {ds['random_features'].min().item():.3g}")
+    claim("5. downstream loss: flattest search ~0 (median draw)",
+          med["flattest_search"] <= 1e-3 * scale,
+          f"median L_Pds = {med['flattest_search']:.2e} (E g*^2 = {scale:.3g}; "
+          f"near-flattest, not exact)")
+    claim("5. downstream loss: random features stay positive",
+          (ds["random_features"] > 1e-6).float().mean() > 0.99,
+          f"median L_Pds = {med['random_features']:.3g}, "
+          f"min over draws {ds['random_features'].min().item():.3g}")
     fail = (ds["transferable"] > ZERO_LOSS_TOL).double()
-    measured, p_exact, p_thm = fail.mean().item(), failure_probability_exact(T, n), theorem_failure_bound(n)
+    measured, p_exact, p_thm = (fail.mean().item(), failure_probability_exact(T, n),
+                                theorem_failure_bound(n))
     se = math.sqrt(p_exact * (1 - p_exact) / FAILURE_DRAWS)
-    claim("5. failure probability: measured = exact 2(1-p)^n - q^n", abs(measured - p_exact) <= 4 * se + 1e-12,
+    claim("5. failure probability: measured = exact 2(1-p)^n - q^n",
+          abs(measured - p_exact) <= 4 * se + 1e-12,
           f"measured {measured:.5f} +- {se:.5f} over {FAILURE_DRAWS} draws, exact {p_exact:.5f}")
     claim("5. THEOREM 5.1's bound: failure <= 2^-n", p_exact <= p_thm,
           f"exact failure {p_exact:.5g} vs claimed <= {p_thm:.5g} (ratio {p_exact / p_thm:.3g}): "
@@ -555,18 +624,24 @@ def run_checks(T, m, n, seed, log=print):
         "mlm_loss": loss,
         "trace": {**{k: hess[k]["total"] for k in sol}, "lower_bound": bound},
         "downstream_loss": med,
-        "downstream_failure_probability": {"measured": measured, "exact": p_exact, "theorem_bound": p_thm},
+        "downstream_failure_probability": {"measured": measured, "exact": p_exact,
+                                           "theorem_bound": p_thm},
     }
-    extras = {"search_ratios": ratios, "structure": st, "rf_ratios": rf_ratios, "seconds": time.time() - t0}
+    extras = {"search_ratios": ratios, "structure": st, "rf_ratios": rf_ratios,
+              "seconds": time.time() - t0}
     return result, claims, extras
 
 
 def main(argv=None):
     """Command line: every claim of Thm 5.1 as PASS/FAIL lines, or one JSON object (--json)."""
-    parser = argparse.ArgumentParser(description="Numerical check of Thm 5.1 (flattest zero-loss solution transfers).")
-    parser.add_argument("--T", type=int, default=6, help="sentence length (even, >= 6); support enumerated up to 14, sampled above")
+    parser = argparse.ArgumentParser(
+        description="Numerical check of Thm 5.1 (flattest zero-loss solution transfers).")
+    parser.add_argument("--T", type=int, default=6,
+                        help="sentence length (even, >= 6); support enumerated up to 14, "
+                             "sampled above")
     parser.add_argument("--m", type=int, default=None,
-                        help="number of neurons (>= 2); default: smallest multiple of 32 >= 2T + T*C(T,T/2) (160 at T=6), "
+                        help="number of neurons (>= 2); default: smallest multiple of 32 >= "
+                             "2T + T*C(T,T/2) (160 at T=6), "
                              "the width at which random features can interpolate the support")
     parser.add_argument("--n", type=int, default=10, help="downstream training samples (>= 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of every random draw")
@@ -605,9 +680,11 @@ def main(argv=None):
     impl = [ok for name, ok, _ in claims if not name.startswith("5. THEOREM") and ok is not None]
     na = sum(ok is None for _, ok, _ in claims)
     print(f"\n{sum(impl)}/{len(impl)} implementation checks pass"
-          + (f" ({na} N/A: random features narrower than {rf_min_width(args.T)} cannot reach zero loss)" if na else "")
+          + (f" ({na} N/A: random features narrower than {rf_min_width(args.T)} "
+             f"cannot reach zero loss)" if na else "")
           + "; the theorem's own probability bound "
-          f"{'holds' if claims[-1][1] else 'FAILS (see the exact value above)'}. ({extras['seconds']:.0f}s)")
+          f"{'holds' if claims[-1][1] else 'FAILS (see the exact value above)'}. "
+          f"({extras['seconds']:.0f}s)")
     if not all(impl):
         raise SystemExit(1)
 

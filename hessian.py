@@ -20,7 +20,8 @@ The second term vanishes in the saturation regime (p = the true conditional), an
     Tr[∇²L] ≈ Tr[G] = E_{x,t} E_{ỹ ~ p_θ(·|x_-t)} ‖∇_θ log p_θ(ỹ | x_-t)‖².
 
 Here p is the softmax over the V words, exactly the loss train.py trains (train.mlm_log_probs).
-Each ‖∇_θ log p_θ(ỹ|x_-t)‖² is one per-sample gradient, always in eval mode (dropout off):
+Each ‖∇_θ log p_θ(ỹ|x_-t)‖² is one per-sample gradient, always in eval mode
+(dropout off):
   - transformers: torch.func (functional_call + vmap + grad), in chunks, attention on the
     "math" kernel (the fused ones have no vmap rule and no double backward);
   - LSTMs: torch has no vmap rule for the fused nn.LSTM kernel, so nn.LSTM is swapped for
@@ -170,7 +171,8 @@ def _params_and_buffers(net):
     rest = {k: v.detach() for k, v in net.named_parameters() if not v.requires_grad}
     rest.update(dict(net.named_buffers()))
     if not params:
-        raise ValueError("model has no trainable parameters (a lookup table?): no Hessian to measure")
+        raise ValueError("model has no trainable parameters (a lookup table?): "
+                         "no Hessian to measure")
     return params, rest
 
 
@@ -289,8 +291,8 @@ def _layerwise_ok(fnet):
 
 
 def _sq_norm_of_sum(g, a):
-    """‖Σ_t g_t a_tᵀ‖² per sample for g [B, T, o], a [B, T, i]: the cheaper of materialising the
-    per-sample matrix and the Gram identity Σ_{t,s} (g_t·g_s)(a_t·a_s)."""
+    """‖Σ_t g_t a_tᵀ‖² per sample for g [B, T, o], a [B, T, i]: the cheaper of materialising
+    the per-sample matrix and the Gram identity Σ_{t,s} (g_t·g_s)(a_t·a_s)."""
     B, T, o = g.shape
     if T * T * (o + a.shape[-1]) < o * a.shape[-1]:
         return ((g @ g.transpose(1, 2)) * (a @ a.transpose(1, 2))).sum((1, 2))
@@ -316,7 +318,8 @@ def _layerwise_sq_norms(fnet, net):
         records.clear()
         for m in lstms:
             m.record = []
-        hooks = [m.register_forward_hook(linear_hook if isinstance(m, nn.Linear) else embedding_hook)
+        hooks = [m.register_forward_hook(linear_hook if isinstance(m, nn.Linear)
+                                         else embedding_hook)
                  for m in fnet.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
         try:
             logp = log_probs_at(fnet, inputs, positions, V).gather(1, labels.view(-1, 1)).sum()
@@ -327,7 +330,8 @@ def _layerwise_sq_norms(fnet, net):
                 len(m.record) != m.num_layers * (1 + m.bidirectional) for m in lstms):
             raise RuntimeError("a layer ran twice in one forward: its per-sample gradient is a sum "
                                "over calls; use the vmap route (_vmap_sq_norms) for this model")
-        outs = [r[3] for r in records] + [g for m in lstms for gates, _, _ in m.record for g in gates]
+        outs = ([r[3] for r in records]
+                + [g for m in lstms for gates, _, _ in m.record for g in gates])
         grads = iter(torch.autograd.grad(logp, outs))
         total = torch.zeros(len(labels), dtype=torch.float32, device=inputs.device)
         for kind, module, x, _ in records:
@@ -345,7 +349,8 @@ def _layerwise_sq_norms(fnet, net):
             for gates, x, h_prev in m.record:
                 g = torch.stack([next(grads) for _ in gates], 1)      # (B, T, 4H) gate gradients
                 # W_ih, W_hh; b_ih and b_hh both get Σ_t g_t
-                total += _sq_norm_of_sum(g, x) + _sq_norm_of_sum(g, h_prev) + 2 * g.sum(1).pow(2).sum(1)
+                total += (_sq_norm_of_sum(g, x) + _sq_norm_of_sum(g, h_prev)
+                          + 2 * g.sum(1).pow(2).sum(1))
             m.record = None
         return total
 
@@ -365,9 +370,9 @@ def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0,
                   chunk_size=None, progress=False):
     """App. B.2, unbiased estimate of Tr[G] (= Tr[∇²L] in the saturation regime) -> (mean, std).
 
-    Tr[G] = mean over sentences of E_{ỹ ~ p_θ(·|x_-t)} ‖∇_θ log p_θ(ỹ | x_-t)‖², with ỹ drawn
-    from the model's own softmax over the V words at the masked position (the distribution
-    train.py's loss scores), `n_samples` per sentence.  `std`
+    Tr[G] = mean over sentences of E_{ỹ ~ p_θ(·|x_-t)} ‖∇_θ log p_θ(ỹ | x_-t)‖²,
+    with ỹ drawn from the model's own softmax over the V words at the masked position (the
+    distribution train.py's loss scores), `n_samples` per sentence.  `std`
     is the standard deviation over `n_repeats` independent repetitions (fresh ỹ on the same
     sentences), as the paper reports.  The gradient norm of a (sentence, ỹ) pair drawn more than
     once is computed once and counted with its multiplicity: same estimate, less work.
@@ -396,7 +401,8 @@ def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0,
 
 # ----------------------------------------------------------------------------- cross-checks
 def exact_fisher_trace(model, inputs, positions, chunk_size=None):
-    """Tr[G] exactly on these sentences: mean_i Σ_w p_θ(w|x_-t) ‖∇_θ log p_θ(w|x_-t)‖² (App. B.2)."""
+    """Tr[G] exactly on these sentences: mean_i Σ_w p_θ(w|x_-t) ‖∇_θ log p_θ(w|x_-t)‖²
+    (App. B.2)."""
     probs = model_probs(model, inputs, positions)
     n, V = probs.shape
     sent = torch.arange(n).repeat_interleave(V).to(inputs.device)
@@ -430,8 +436,8 @@ def hessian_vector_products(model, inputs, positions, targets, vectors, batch_si
 
 def hutchinson_trace(model, inputs, positions, targets, n_probes=100, seed=0, batch_size=256,
                      probes_per_pass=10):
-    """Hutchinson Tr[∇²L] ≈ mean_k v_kᵀ ∇²L v_k with Rademacher v_k, as PyHessian does (the
-    authors' released script did the same with Gaussian v_k).
+    """Hutchinson Tr[∇²L] ≈ mean_k v_kᵀ ∇²L v_k with Rademacher v_k, as PyHessian does
+    (the authors' released script did the same with Gaussian v_k).
 
     Estimates the Hessian of the loss on the *given* labels (no saturation assumption).
     Returns (mean, standard error, per-probe values [n_probes] float64).
@@ -521,7 +527,8 @@ def _functional_loss(model, params, rest, inputs, positions, targets):
 
 
 def sam_sharpness(model, inputs, positions, targets, rho=0.05):
-    """SAM sharpness max_{‖ε‖≤ρ} L(θ+ε) - L(θ), with SAM's first-order ε = ρ ∇L/‖∇L‖."""
+    """SAM sharpness max_{‖ε‖≤ρ} L(θ+ε) - L(θ), with SAM's first-order
+    ε = ρ ∇L/‖∇L‖."""
     params, rest = _params_and_buffers(model)
     with measuring(model):
         p = {k: v.clone().requires_grad_() for k, v in params.items()}
@@ -534,7 +541,7 @@ def sam_sharpness(model, inputs, positions, targets, rho=0.05):
     return (moved_loss - loss).item()
 
 
-# ----------------------------------------------------------------------------- §3 theory on a toy problem
+# ---------------------------------------------------------------------- §3 theory on a toy problem
 # A well-specified model whose global minimisers form a manifold: contexts c ~ π, words
 # y ~ softmax(Z*_c), model p_θ(y|c) = softmax(A_c B) with θ = (A [C, k], B [k, V]).  Every
 # (A G, G⁻¹ B) with G invertible (and every per-row logit shift) fits the teacher exactly, so
@@ -579,8 +586,9 @@ def sample_gradients(theta, shape_a, shape_b, contexts, words):
 
 
 def gradient_covariance(theta, shape_a, shape_b, pi, p_true, n_samples=None, seed=0):
-    """Σ(θ) = E[g gᵀ] - ∇L ∇Lᵀ of the stochastic gradient (Lemma 3.2): exact when n_samples is
-    None (every (c, y) weighted by π_c p*(y|c)), else the sample covariance of n fresh draws."""
+    """Σ(θ) = E[g gᵀ] - ∇L ∇Lᵀ of the stochastic gradient (Lemma 3.2): exact when
+    n_samples is None (every (c, y) weighted by π_c p*(y|c)), else the sample covariance of n
+    fresh draws."""
     C, V = p_true.shape
     if n_samples is None:
         contexts = torch.arange(C).repeat_interleave(V)
@@ -638,7 +646,8 @@ def masked_sentences(lang, n, seed=SENTENCE_SEED):
 
 
 def measure_checkpoint(path, args):
-    """One JSON row for checkpoint `path` (contract fields + settings), or None for a lookup table."""
+    """One JSON row for checkpoint `path` (contract fields + settings), or None for a lookup
+    table."""
     net, ckpt, lang = train.load_checkpoint(path, device=args.device)
     if ckpt["kind"] == "lookup":
         print(f"{path}: lookup table (kind 'lookup') has no parameters, so no Hessian: skipped",
@@ -693,8 +702,8 @@ def parse_args(argv=None):
     a("--seed", type=int, default=0, help="seed of the ỹ draws and of the HVP probe vectors")
     a("--sam-rho", type=float, default=0.05, help="radius rho of the SAM sharpness")
     a("--hutchinson-probes", type=int, default=0,
-      help="also report Hutchinson's Tr[∇²L] on the true labels with this many Rademacher probes "
-           "(what the authors' released script measured); 0 = off")
+      help="also report Hutchinson's Tr[∇²L] on the true labels with this many Rademacher "
+           "probes (what the authors' released script measured); 0 = off")
     a("--chunk", type=int, default=None,
       help="per-sample gradients per vmap call (default: ~128 MiB of gradients)")
     a("--device", default="cpu", help="cpu (default) or cuda")

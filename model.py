@@ -12,8 +12,9 @@ Interface (used by train.py, hessian.py, probe.py):
     h = net.features(tokens)        # [B, T, d], the last-layer representations probes read
     big = grow(net, width=2, extra_layers=1)   # same logits, 2x heads/width, one more block
 
-Transformer (App. B.1.2). d = 64 * n_heads (head dimension 64), MLP width 4d with GeLU, token
-embedding W_E [vocab, d] tied to the output layer, learned positions, h_0 = LN(W_E[x] + P):
+Transformer (App. B.1.2). d = head_dim * n_heads (head_dim 64 as in the paper, 32 in the CPU
+preset "tf-1m"), MLP width 4d with GeLU, token embedding W_E [vocab, d] tied to the output
+layer, learned positions, h_0 = LN(W_E[x] + P):
     ln="post" (the paper's text):  v = LN(h + Attn(h));        h' = LN(v + MLP(v))
     ln="pre"  (the authors' released academic-budget-bert code):
                                    v = h + Attn(LN(h));        h' = v + MLP(LN(v))
@@ -69,17 +70,21 @@ class ModelConfig:
     max_len: int  # number of learned positions (transformer); longest accepted input
     arch: str = "transformer"  # "transformer" | "lstm"
     n_layers: int = 2  # transformer blocks, or stacked bidirectional LSTM layers
-    n_heads: int = 1  # transformer only: d = 64 * n_heads
+    n_heads: int = 1  # transformer only: d = head_dim * n_heads
     ln: str = "pre"  # transformer only: "post" (paper's text) | "pre" (authors' released code)
     dropout: float = 0.0  # dropout on embeddings, attention, residual branches / between LSTM layers
     lstm_hidden: int = 128  # LSTM only: hidden size H per direction; features have d = 2H
+    # transformer only: width of each head. The paper's (BERT's) 64 everywhere; narrower heads
+    # only make the CPU-scale models (d = 32) that saturate a small PCFG in minutes (§2.2).
+    # Checkpoints written before this field existed rebuild with the default.
+    head_dim: int = HEAD_DIM
 
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise ValueError(f"ModelConfig: arch must be one of {ARCHS}, got {self.arch!r}")
         if self.ln not in LNS:
             raise ValueError(f"ModelConfig: ln must be one of {LNS}, got {self.ln!r}")
-        for name in ("vocab_size", "max_len", "n_layers", "n_heads", "lstm_hidden"):
+        for name in ("vocab_size", "max_len", "n_layers", "n_heads", "lstm_hidden", "head_dim"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"ModelConfig: {name} must be an integer >= 1, got {v!r}")
@@ -92,26 +97,27 @@ class ModelConfig:
     @property
     def d(self):
         """Width of the representations that features() returns."""
-        return HEAD_DIM * self.n_heads if self.arch == "transformer" else 2 * self.lstm_hidden
+        return self.head_dim * self.n_heads if self.arch == "transformer" else 2 * self.lstm_hidden
 
 
 # ------------------------------------------------------------------------------ transformer ---
 
 class SelfAttention(nn.Module):
-    """Multi-head self-attention, head dimension 64, padded keys masked (App. B.1.2)."""
+    """Multi-head self-attention, head dimension head_dim (64), padded keys masked (App. B.1.2)."""
 
     def __init__(self, config):
         super().__init__()
         d = config.d
-        self.n_heads, self.dropout = config.n_heads, config.dropout
-        self.qkv = nn.Linear(d, 3 * d)  # rows: [queries; keys; values], head j at rows 64j..64j+63
+        self.n_heads, self.head_dim, self.dropout = config.n_heads, config.head_dim, config.dropout
+        self.qkv = nn.Linear(d, 3 * d)  # rows: [queries; keys; values], head j at rows hd*j..hd*j+hd-1
         self.proj = nn.Linear(d, d)  # the output matrix O
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, h, keep):
         B, T, d = h.shape
         q, k, v = self.qkv(h).split(d, dim=2)
-        q, k, v = (x.view(B, T, self.n_heads, HEAD_DIM).transpose(1, 2) for x in (q, k, v))  # (B, nh, T, 64)
+        q, k, v = (x.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+                   for x in (q, k, v))  # (B, nh, T, hd)
         mask = keep[:, None, None, :]  # (B, 1, 1, T): True where the key is a real token
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                            dropout_p=self.dropout if self.training else 0.0)
@@ -295,7 +301,7 @@ def grow(model, width=2, extra_layers=0, seed=0):
     replicated inputs is divided by k, so each residual stream is exactly [h, h, ..., h]. A
     LayerNorm of a replicated vector has the same mean and variance, so no eps issue arises
     (no vector entering a LayerNorm is rescaled); attention scores are unchanged (heads are
-    copied, head dimension stays 64). With tied weights the logits would come out k times too
+    copied, head dimension unchanged). With tied weights the logits would come out k times too
     large, so the gain and bias of the LayerNorm that produces h_L (pre: the final LN; post: the
     last block's second LN) are divided by k: exact, and features() become [h, ..., h] / k.
     (The paper's text rescales W_E instead; that rescales the input of the embedding LayerNorm,

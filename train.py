@@ -49,6 +49,7 @@ bit-for-bit on the same machine (its metrics equal an uninterrupted run's); on a
 the numbers differ in the third decimal of KL: one draw from the spread across seeds.
 """
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -253,6 +254,23 @@ def lr_at(i, args):
 
 # ------------------------------------------------------------------------- evaluation ---
 
+@dataclasses.dataclass
+class EvalSet:
+    """The held-out rows of App. A.4: one row per (sentence, masked position)."""
+    inputs: torch.Tensor        # (N, T) a sentence with one position masked
+    pos: torch.Tensor           # (N,) the masked position
+    sent: torch.Tensor          # (N,) which of the n sentences
+    p: torch.Tensor             # (N, V) the true conditional there, float64
+    weight: torch.Tensor        # (N,) 1 / (n * length): uniform position, then sentence
+    row_entropy: torch.Tensor   # (N,) H(p) of each row
+    n: int                      # sentences
+
+    @property
+    def entropy(self):
+        """The optimal MLM loss on this set: E[H(p)]."""
+        return float((self.weight * self.row_entropy).sum())
+
+
 def make_eval_set(lang, n):
     """The fixed held-out set: n sentences (seeded by the language only), every position
     masked in turn; with the true conditional p there and weights 1 / (n * length)."""
@@ -264,8 +282,7 @@ def make_eval_set(lang, n):
     inputs[torch.arange(len(sent)), pos] = data.mask_id(lang.vocab_size)
     p = cond[sent, pos]                                              # (N, V)
     plogp = torch.where(p > 0, p * p.clamp_min(1e-300).log(), torch.zeros_like(p))
-    return {"inputs": inputs, "pos": pos, "sent": sent, "p": p, "n": n,
-            "weight": 1.0 / (n * lengths[sent].double()), "row_entropy": -plogp.sum(-1)}
+    return EvalSet(inputs, pos, sent, p, 1.0 / (n * lengths[sent].double()), -plogp.sum(-1), n)
 
 
 @torch.no_grad()
@@ -274,19 +291,19 @@ def evaluate(net, ev, V, device="cpu", batch=4096):
     forward (no autocast: bf16 rounding would swamp KLs of 1e-2), float64 sums."""
     was_training = net.training
     net.eval()
-    ce = torch.empty(len(ev["pos"]), dtype=torch.float64)
+    ce = torch.empty(len(ev.pos), dtype=torch.float64)
     for s in range(0, len(ce), batch):
-        x = ev["inputs"][s:s + batch].to(device)
-        logq = mlm_log_probs(net(x), V)[torch.arange(x.shape[0]), ev["pos"][s:s + batch]]
-        p = ev["p"][s:s + batch]
+        x = ev.inputs[s:s + batch].to(device)
+        logq = mlm_log_probs(net(x), V)[torch.arange(x.shape[0]), ev.pos[s:s + batch]]
+        p = ev.p[s:s + batch]
         ce[s:s + batch] = -torch.where(p > 0, p * logq.double().cpu(), torch.zeros_like(p)).sum(-1)
     net.train(was_training)
-    w = ev["weight"]
-    kl_sent = torch.zeros(ev["n"], dtype=torch.float64).index_add_(
-        0, ev["sent"], w * (ce - ev["row_entropy"])) * ev["n"]    # per-sentence KL
-    loss, ent = float((w * ce).sum()), float((w * ev["row_entropy"]).sum())
+    w = ev.weight
+    kl_sent = torch.zeros(ev.n, dtype=torch.float64).index_add_(
+        0, ev.sent, w * (ce - ev.row_entropy)) * ev.n               # per-sentence KL
+    loss, ent = float((w * ce).sum()), ev.entropy
     return {"eval_loss": loss, "entropy": ent, "kl": loss - ent,
-            "kl_se": float(kl_sent.std() / math.sqrt(ev["n"]))}
+            "kl_se": float(kl_sent.std() / math.sqrt(ev.n))}
 
 
 class LookupTable(nn.Module):
@@ -565,7 +582,7 @@ def write_lookup(args, lang, run_dir):
               f"of --eval-n {args.eval_n} (each masked row costs an exact teacher conditional, "
               f"~0.5 s)", flush=True)
     ev = make_eval_set(lang, n)
-    print(f"lookup table: scoring {len(ev['pos'])} masked eval rows ({n} sentences) with "
+    print(f"lookup table: scoring {len(ev.pos)} masked eval rows ({n} sentences) with "
           f"evaluate()", flush=True)
     row = {"step": 0, "loss": None, "lr": 0.0, "tokens_per_s": 0.0, "wall": 0.0,
            **evaluate(LookupTable(lang), ev, lang.vocab_size), "eval_n": n}
@@ -579,34 +596,194 @@ def write_lookup(args, lang, run_dir):
           f"kl {row['kl']:.1e} ({fmt_time(row['wall'])}); wrote {path}")
 
 
-def write_grown(args, run_dir, net, small, source, ev, V, device, checkpoint):
+def write_grown(run, small, source):
     """Step 0 of a --grow-from run (App. B.1.3): the eval row of the grown model, which must
     equal the source model's (printed side by side: grow() is exact up to float32 rounding),
-    and its checkpoint, written by the run's own `checkpoint` (fresh optimizer state)."""
-    t0 = time.time()
+    and its checkpoint (with a fresh optimizer state)."""
+    t0, V, args = time.time(), run.lang.vocab_size, run.args
     row = {"step": 0, "loss": None, "lr": 0.0, "tokens_per_s": 0.0, "wall": 0.0,
-           **evaluate(net, ev, V, device)}
+           **evaluate(run.net, run.ev, V, run.device)}
     row["wall"] = time.time() - t0
-    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+    with open(os.path.join(run.dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
-    kl_source = evaluate(small.to(device), ev, V, device)["kl"]
-    checkpoint(0)
-    n_small, n_big = (sum(p.numel() for p in m.parameters()) for m in (small, net))
-    print(f"grew {args.grow_from} (step {source['step']}, {n_small:,} params) to {n_big:,} params "
-          f"(width x{args.grow_width}, +{args.grow_layers} layers): eval kl {row['kl']:.6f} vs "
-          f"the source's {kl_source:.6f} (diff {abs(row['kl'] - kl_source):.1e}); wrote "
-          f"{ckpt_path(run_dir, 0)}", flush=True)
+    kl_source = evaluate(small.to(run.device), run.ev, V, run.device)["kl"]
+    save(run)
+    n_small, n_big = (sum(p.numel() for p in m.parameters()) for m in (small, run.net))
+    print(f"grew {args.grow_from} (step {source['step']}, {n_small:,} params) to {n_big:,} "
+          f"params (width x{args.grow_width}, +{args.grow_layers} layers): eval kl "
+          f"{row['kl']:.6f} vs the source's {kl_source:.6f} (diff "
+          f"{abs(row['kl'] - kl_source):.1e}); wrote {ckpt_path(run.dir, 0)}", flush=True)
+
+
+@dataclasses.dataclass
+class LossWindow:
+    """Sums over the updates since the last metrics row (averaged over ranks when written)."""
+    loss: float = 0.0
+    updates: int = 0
+    adv_loss: float = 0.0
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything one update, one metrics row and one checkpoint need."""
+    args: argparse.Namespace
+    lang: object
+    net: nn.Module
+    objective: nn.Module          # the net in one forward, maybe compiled and DDP-wrapped
+    opt: torch.optim.Optimizer
+    ev: EvalSet                   # None on ranks > 0
+    dir: str
+    rank: int
+    world: int
+    device: torch.device
+    task: tuple = None            # adversarial: (tokens, labels, n_classes) of the task pool
+    step: int = 0
+    wall0: float = 0.0            # seconds of earlier sessions of this run (resumes add up)
+    window: LossWindow = dataclasses.field(default_factory=LossWindow)
+    t_start: float = dataclasses.field(default_factory=time.time)
+    t_window: float = dataclasses.field(default_factory=time.time)
+    tokens_window: int = 0
 
 
 def train(args):
     """Run one training job as the arguments say (see the module docstring)."""
     check_args(args)
     torch.set_num_threads(args.threads)
+    run = start_run(args)
+    if run is None:                                  # a lookup table, or a run already complete
+        return os.path.join(args.runs, args.name)
+    start_step = run.step
+    with deferred_interrupts() as stop:
+        try:
+            while run.step < args.steps:
+                if stop:
+                    raise KeyboardInterrupt
+                one_update(run)
+                is_ckpt = run.step % args.ckpt_every == 0 or run.step == args.steps
+                is_eval = run.step % args.eval_every == 0 or is_ckpt
+                if is_eval or run.step % args.log_every == 0:
+                    write_row(run, is_eval, start_step)
+                if is_ckpt:
+                    save(run)
+        except KeyboardInterrupt:                     # lose nothing beyond the last update
+            if run.rank == 0 and not os.path.isfile(ckpt_path(run.dir, run.step)):
+                save(run)
+            raise SystemExit(f"train.py: interrupted after step {run.step}; wrote "
+                             f"{ckpt_path(run.dir, run.step)}; continue it with: python "
+                             f"train.py --runs {args.runs} --name {args.name} --resume")
+        finally:
+            if run.world > 1 and dist.is_initialized():
+                dist.destroy_process_group()
+    return run.dir
+
+
+def one_update(run):
+    """One optimizer update on this rank's slice of a fresh global batch (§2.1, App. A.3-A.4)."""
+    args, step, device = run.args, run.step, run.device
+    for group in run.opt.param_groups:
+        group["lr"] = lr_at(step, args)
+    torch.manual_seed(stream_seed(args.seed, "dropout", step, run.rank))
+    inputs, targets = make_batch(run.lang, args, step, run.rank, args.batch // run.world)
+    task_tokens = task_labels = n_classes = None
+    if run.task is not None:                            # D1 = the first adv_n1, D2 the rest
+        idx = torch.randperm(args.adv_pool, generator=generator(args.seed, "adv", step, run.rank))
+        idx = idx[:args.adv_n1 + args.adv_n2]
+        task_tokens, task_labels = run.task[0][idx].to(device), run.task[1][idx].to(device)
+        n_classes = run.task[2]
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        loss, total, adv = training_objective(
+            run.objective, inputs.to(device), targets.to(device), run.lang.vocab_size, args,
+            task_tokens, task_labels, n_classes, generator(args.seed, "proj", step, run.rank))
+    loss_value = loss.item()
+    if not math.isfinite(loss_value) or not math.isfinite(total.item()):
+        last = list_checkpoints(run.dir)
+        raise SystemExit(f"train.py: loss is {loss_value} at step {step + 1}; stopped before "
+                         f"the update. The last good checkpoint is "
+                         f"{last[-1] if last else '(none yet)'}; try a lower --lr")
+    run.opt.zero_grad(set_to_none=True)
+    total.backward()
+    run.opt.step()
+    run.step += 1
+    run.window.loss += loss_value
+    run.window.updates += 1
+    run.window.adv_loss += 0.0 if adv is None else adv.item()
+    run.tokens_window += args.batch * run.lang.max_len
+
+
+def write_row(run, is_eval, start_step):
+    """A metrics.jsonl row and its progress line: the training loss since the last row (over
+    all ranks), the lr, throughput and wall time, and on eval steps the exact KL (App. A.4)."""
+    args, now = run.args, time.time()
+    w = run.window
+    sums = torch.tensor([w.loss, w.updates, w.adv_loss], dtype=torch.float64)
+    if run.world > 1:
+        dist.all_reduce(sums)
+        sums /= run.world
+    row = {"step": run.step, "loss": float(sums[0] / sums[1]),
+           "lr": run.opt.param_groups[0]["lr"],
+           "tokens_per_s": run.tokens_window / (now - run.t_window),
+           "wall": run.wall0 + now - run.t_start}
+    if args.algo == "adversarial":
+        row["adv_loss"] = float(sums[2] / sums[1])
+    run.window = LossWindow()
+    if run.rank == 0:
+        if is_eval:
+            row.update(evaluate(run.net, run.ev, run.lang.vocab_size, run.device))
+        with open(os.path.join(run.dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+        eta = (now - run.t_start) / (run.step - start_step) * (args.steps - run.step)
+        extra = f" | kl {row['kl']:.4f}" if "kl" in row else ""
+        extra += f" | adv_loss {row['adv_loss']:.4f}" if "adv_loss" in row else ""
+        print(f"step {run.step:7d}/{args.steps} | loss {row['loss']:.4f}{extra} | "
+              f"lr {row['lr']:.1e} | {row['tokens_per_s'] / 1e3:5.0f}k tok/s | "
+              f"{fmt_time(row['wall'])} elapsed, ETA {fmt_time(eta)}", flush=True)
+    run.t_window, run.tokens_window = time.time(), 0
+
+
+def save(run):
+    """Checkpoint the run (rank 0): all that resuming, hessian.py and probe.py need."""
+    if run.rank == 0:
+        w = run.window
+        save_checkpoint(ckpt_path(run.dir, run.step), {
+            "kind": "mlm", "model_config": dataclasses.asdict(run.net.config),
+            "model": run.net.state_dict(), "optimizer": run.opt.state_dict(), "step": run.step,
+            "wall": run.wall0 + time.time() - run.t_start,
+            "window": [w.loss, w.updates, w.adv_loss],
+            "rng": {"torch": torch.get_rng_state(), "seed": run.args.seed},
+            "language": run.lang.spec(), "args": vars(run.args), "world": run.world})
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Ctrl-C and `kill` (SIGTERM, e.g. a scheduler's preemption) only raise a flag, checked
+    between updates, so the checkpoint written on the way out holds whole updates; a second
+    Ctrl-C stops at once. Yields the flag (a list, non-empty once signalled)."""
+    stop = []
+
+    def on_signal(signum, frame):
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(signum)
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = ({sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+           if main_thread else {})
+    try:
+        yield stop
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+# ------------------------------------------------------------------------------ setup ---
+
+def start_run(args):
+    """Language, network, optimizer and start state (new, resumed or branched) of the run; the
+    run folder with its config.json; None when there is nothing to train (a lookup table is
+    written instead, or the run is complete)."""
     if args.grow_from is None:
         lang = make_language(args.lang, args.lang_seed)
     else:
         grown, lang, source, small = grow_model(args)
-    V = lang.vocab_size
     if args.algo == "adversarial":
         args.task = args.task if args.task is not None else lang.tasks[0]
         try:
@@ -615,178 +792,82 @@ def train(args):
             raise SystemExit(f"train.py: unknown --task {args.task!r} for this language: {e}")
     rank, world = setup_distributed(args)
     run_dir = os.path.join(args.runs, args.name)
-    if args.algo == "lookup":
-        net = None
-    else:
+    net = None
+    if args.algo != "lookup":
         net = build_model(args, lang) if args.grow_from is None else grown
-    cfg = net.config if net is not None else None
-    ckpt = start_state(args, run_dir, lang, cfg, world)
+    ckpt = start_state(args, run_dir, lang, None if net is None else net.config, world)
     if ckpt is not None and args.resume is not None and (args.algo == "lookup"
                                                          or ckpt["step"] >= args.steps):
         print(f"{run_dir} is complete: its checkpoint {args.resume} is at step {ckpt['step']} "
               f"of {args.steps}" + ("" if args.algo == "lookup" else
                                     "; pass --steps N (larger) to continue a --schedule const run"))
-        return run_dir
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        return None
     if rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        # rows logged past the checkpoint it starts from (all of them for a new run: a run
-        # killed before its first checkpoint is started again) would be duplicated
-        truncate_metrics(metrics_path, ckpt["step"] if args.resume is not None else -1)
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump({"args": vars(args), "language": lang.spec(),
-                       "model_config": None if cfg is None else dataclasses.asdict(cfg),
-                       "n_params": 0 if net is None else sum(p.numel() for p in net.parameters())},
-                      f, indent=1)
+        open_run_dir(args, run_dir, lang, net, ckpt)
     if args.algo == "lookup":
         if rank == 0:
             write_lookup(args, lang, run_dir)
-        return run_dir
+        return None
 
     device = torch.device(args.device)
     net.to(device)
     opt = make_optimizer(net, args)
-    step, wall0, window = 0, 0.0, [0.0, 0, 0.0]       # window: loss sum, updates, adv-loss sum
-    if ckpt is not None:
-        net.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        step = ckpt["step"]
-        if args.resume is not None:   # a branch starts its own clock and loss window
-            wall0, window = ckpt["wall"], list(ckpt["window"])
-        if rank == 0:
-            print(f"{'resumed' if args.resume else 'branched from ' + args.branch_from} "
-                  f"{run_dir} at step {step}")
     objective = Objective(net)
     if args.compile:
         objective = torch.compile(objective)
     if world > 1:
         objective = nn.parallel.DistributedDataParallel(
             objective, device_ids=[device.index] if device.type == "cuda" else None)
-    per_rank = args.batch // world
-    n_classes = None
+    task = None
     if args.algo == "adversarial":
-        task_tokens, _, task_labels = lang.task_data(args.task, args.adv_pool,
-                                                     seed=stream_seed(args.seed, "task"))
-        n_classes = lang.n_classes(args.task)
+        tokens, _, labels = lang.task_data(args.task, args.adv_pool,
+                                           seed=stream_seed(args.seed, "task"))
+        task = (tokens, labels, lang.n_classes(args.task))
     ev = make_eval_set(lang, args.eval_n) if rank == 0 else None
+    run = Run(args, lang, net, objective, opt, ev, run_dir, rank, world, device, task)
+    if ckpt is not None:
+        net.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        run.step = ckpt["step"]
+        if args.resume is not None:              # a branch starts its own clock and window
+            run.wall0, run.window = ckpt["wall"], LossWindow(*ckpt["window"])
     if rank == 0:
-        n_params = sum(p.numel() for p in net.parameters())
-        size = ", ".join(f"{k}={getattr(args, k)}" for k in SIZE_OVERRIDES
-                         if getattr(args, k) is not None)
-        what = (f"{args.preset}{f' with {size}' if size else ''}" if args.grow_from is None
-                else f"{args.grow_from} grown")
-        where = args.lang if args.grow_from is None else f"its {lang.spec()['kind']} language"
-        print(f"{run_dir}: {what} ({n_params:,} params, {cfg.arch}) on {where} "
-              f"(V={V}, T={lang.max_len}), {args.algo}, global batch {args.batch} over {world} "
-              f"proc, {args.steps} steps; eval entropy "
-              f"{float((ev['weight'] * ev['row_entropy']).sum()):.4f} nats")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-    def checkpoint(step):
-        if rank == 0:
-            save_checkpoint(ckpt_path(run_dir, step), {
-                "kind": "mlm", "model_config": dataclasses.asdict(cfg), "model": net.state_dict(),
-                "optimizer": opt.state_dict(), "step": step, "wall": wall0 + time.time() - t_start,
-                "window": list(window),
-                "rng": {"torch": torch.get_rng_state(), "seed": args.seed},
-                "language": lang.spec(), "args": vars(args), "world": world})
-
-    # wall: seconds since the run began (resumes add up), evaluations included; tokens/s: of
-    # the training steps since the last row only
-    t_window, tokens_window, t_start, start_step = time.time(), 0, time.time(), step
+        print_header(run, ckpt)
     if args.grow_from is not None and ckpt is None and rank == 0:
-        write_grown(args, run_dir, net, small, source, ev, V, device, checkpoint)
-        t_window = time.time()                  # tokens/s of the first row: training time only
-    # Ctrl-C and `kill` (SIGTERM, e.g. a scheduler's preemption) only raise a flag, checked
-    # between updates, so the checkpoint written on the way out holds whole updates; a second
-    # Ctrl-C stops at once.
-    stop = []
+        write_grown(run, small, source)
+        run.t_window = time.time()              # tokens/s of the first row: training time only
+    return run
 
-    def on_signal(signum, frame):
-        if stop:
-            raise KeyboardInterrupt
-        stop.append(signum)
-    main_thread = threading.current_thread() is threading.main_thread()
-    old_handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
-                    } if main_thread else {}
-    try:
-        while step < args.steps:
-            if stop:
-                raise KeyboardInterrupt
-            # ---- one update: this rank's slice of the global batch, fresh (or pooled) data
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, args)
-            torch.manual_seed(stream_seed(args.seed, "dropout", step, rank))
-            inputs, targets = make_batch(lang, args, step, rank, per_rank)
-            task_batch = None
-            if args.algo == "adversarial":
-                idx = torch.randperm(args.adv_pool,
-                                     generator=generator(args.seed, "adv", step, rank))
-                idx = idx[:args.adv_n1 + args.adv_n2]               # D1 = first n1, D2 = the rest
-                task_batch = task_tokens[idx].to(device)
-            with autocast:
-                loss, total, adv = training_objective(
-                    objective, inputs.to(device), targets.to(device), V, args, task_batch,
-                    None if task_batch is None else task_labels[idx].to(device), n_classes,
-                    generator(args.seed, "proj", step, rank))
-            loss_value = loss.item()
-            if not math.isfinite(loss_value) or not math.isfinite(total.item()):
-                last = list_checkpoints(run_dir)
-                raise SystemExit(f"train.py: loss is {loss_value} at step {step + 1}; stopped "
-                                 f"before the update. The last good checkpoint is "
-                                 f"{last[-1] if last else '(none yet)'}; try a lower --lr")
-            opt.zero_grad(set_to_none=True)
-            total.backward()
-            opt.step()
-            step += 1
-            window[0] += loss_value
-            window[1] += 1
-            window[2] += 0.0 if task_batch is None else adv.item()
-            tokens_window += args.batch * lang.max_len
 
-            # ---- log, evaluate, checkpoint
-            is_ckpt = step % args.ckpt_every == 0 or step == args.steps
-            is_eval = step % args.eval_every == 0 or is_ckpt
-            if not (is_eval or step % args.log_every == 0):
-                continue
-            now = time.time()
-            sums = torch.tensor(window, dtype=torch.float64)
-            if world > 1:
-                dist.all_reduce(sums)
-                sums /= world
-            row = {"step": step, "loss": float(sums[0] / sums[1]), "lr": opt.param_groups[0]["lr"],
-                   "tokens_per_s": tokens_window / (now - t_window), "wall": wall0 + now - t_start}
-            if args.algo == "adversarial":
-                row["adv_loss"] = float(sums[2] / sums[1])
-            window = [0.0, 0, 0.0]
-            if rank == 0:
-                if is_eval:
-                    row.update(evaluate(net, ev, V, device))
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                eta = (now - t_start) / (step - start_step) * (args.steps - step)
-                kl = f" | kl {row['kl']:.4f}" if "kl" in row else ""
-                kl += f" | adv_loss {row['adv_loss']:.4f}" if "adv_loss" in row else ""
-                print(f"step {step:7d}/{args.steps} | loss {row['loss']:.4f}{kl} | "
-                      f"lr {row['lr']:.1e}"
-                      f" | {row['tokens_per_s'] / 1e3:5.0f}k tok/s | {fmt_time(row['wall'])} "
-                      f"elapsed, ETA {fmt_time(eta)}", flush=True)
-            if is_ckpt:
-                checkpoint(step)
-            t_window, tokens_window = time.time(), 0
-    except KeyboardInterrupt:
-        # Lose nothing beyond the last completed update
-        if rank == 0 and not os.path.isfile(ckpt_path(run_dir, step)):
-            checkpoint(step)
-        raise SystemExit(f"train.py: interrupted after step {step}; wrote "
-                         f"{ckpt_path(run_dir, step)}; continue it with: python train.py "
-                         f"--runs {args.runs} --name {args.name} --resume")
-    finally:
-        for sig, handler in old_handlers.items():
-            signal.signal(sig, handler)
-        if world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
-    return run_dir
+def open_run_dir(args, run_dir, lang, net, ckpt):
+    """Create runs/NAME with its config.json; drop metrics rows logged past the checkpoint the
+    run starts from (all of them for a new run: one killed before its first checkpoint)."""
+    os.makedirs(run_dir, exist_ok=True)
+    truncate_metrics(os.path.join(run_dir, "metrics.jsonl"),
+                     ckpt["step"] if args.resume is not None else -1)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump({"args": vars(args), "language": lang.spec(),
+                   "model_config": None if net is None else dataclasses.asdict(net.config),
+                   "n_params": 0 if net is None else sum(p.numel() for p in net.parameters())},
+                  f, indent=1)
+
+
+def print_header(run, ckpt):
+    """One line saying what trains on what, and where it starts from."""
+    args = run.args
+    if ckpt is not None:
+        print(f"{'resumed' if args.resume else 'branched from ' + args.branch_from} "
+              f"{run.dir} at step {run.step}")
+    size = ", ".join(f"{k}={getattr(args, k)}" for k in SIZE_OVERRIDES
+                     if getattr(args, k) is not None)
+    what = (f"{args.preset}{f' with {size}' if size else ''}" if args.grow_from is None
+            else f"{args.grow_from} grown")
+    where = args.lang if args.grow_from is None else f"its {run.lang.spec()['kind']} language"
+    n_params = sum(p.numel() for p in run.net.parameters())
+    print(f"{run.dir}: {what} ({n_params:,} params, {run.net.config.arch}) on {where} "
+          f"(V={run.lang.vocab_size}, T={run.lang.max_len}), {args.algo}, global batch "
+          f"{args.batch} over {run.world} proc, {args.steps} steps; eval entropy "
+          f"{run.ev.entropy:.4f} nats")
 
 
 # ------------------------------------------------------------------------------ CLI ---
