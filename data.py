@@ -497,11 +497,13 @@ class PCFG:
             raise ValueError(f"lengths must be in 1..{T} (the width of tokens); got values "
                              f"{lengths.min().item()}..{lengths.max().item()}")
         inside = torch.arange(T) < lengths[:, None]
-        bad = inside & ((tokens < 0) | (tokens >= self.vocab_size)) & (tokens != mask_id(self.vocab_size))
+        bad = (inside & ((tokens < 0) | (tokens >= self.vocab_size))
+               & (tokens != mask_id(self.vocab_size)))
         if bad.any():
             r, c = bad.nonzero()[0].tolist()
             raise ValueError(f"sentence {r}, position {c}: token {tokens[r, c].item()} is not a "
-                             f"word id 0..{self.vocab_size - 1} or mask_id (pad only beyond the length)")
+                             f"word id 0..{self.vocab_size - 1} or mask_id "
+                             f"(pad only beyond the length)")
         return tokens.long(), lengths.long()
 
     def _inside(self, leaf):

@@ -1,7 +1,21 @@
 """Tests of the whole project, against independent computations (brute-force enumeration,
-autograd, closed forms), at small sizes so the suite runs in a few minutes on 2 CPU cores.
+autograd, closed forms), at small sizes so the suite runs in well under a minute on 2 CPU cores.
 
-Run: python -m pytest -q test_all.py   (one section per script, in the data-flow order)
+Run: python -m pytest -q test_all.py          (one script: python -m pytest -q test_all.py -k train)
+
+Contents, one section per script in the data-flow order (tests are named test_<script>_<property>):
+  data.py        PCFG: conditionals, masked words, span posteriors and task labels by enumeration;
+                 masking (uniformity by chi-square); HMM and teacher LM against brute force; CLI
+  model.py       shapes, padding invariance, grow() exact for every architecture, presets
+  train.py       loss reaches the entropy; the lr schedule, AdamW groups, one SGD step and the
+                 adversarial objective against their formulas; resume, extend, decay branches
+                 bit-for-bit; DDP; lookup table; grow-from; one-line errors for bad flags/files
+  hessian.py     per-sample gradients vs autograd; the Fisher estimator vs the exact trace;
+                 Lanczos vs eigvalsh; Lemma 3.2 and Theorem 3.3 on a toy softmax
+  probe.py       probe and fine-tuning learn; R², partial r², paired differences vs numpy;
+                 summary groups, comparisons, refusals, figure
+  dyck_theory.py Theorem 5.1: support, traces, bound, failure probability by enumeration
+  repro          the README's experiment chains (E1-E3) end to end at toy size
 """
 import csv
 import dataclasses
@@ -174,7 +188,7 @@ def test_data_pcfg_sampling_matches_log_prob():
     counts = {}
     for x, l in zip(tokens.tolist(), lengths.tolist()):
         counts[tuple(x[:l])] = counts.get(tuple(x[:l]), 0) + 1
-    xs = [list(c) for L in (1, 2, 3) for c in __import__("itertools").product(range(3), repeat=L)]
+    xs = [list(c) for L in (1, 2, 3) for c in itertools.product(range(3), repeat=L)]
     tk, ln = _data_batch(xs, 3, 3)
     p = g.log_prob(tk, ln).exp()
     p = p / p.sum()  # sampling conditions on length <= max_len
