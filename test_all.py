@@ -1348,6 +1348,12 @@ def test_train_resume_refusals_and_completion(tmp_path, capsys):
     path = os.path.join(tmp_path, "a", "ckpt_0000004.pt")
     ckpt = torch.load(path, weights_only=True)
     assert ckpt["world"] == 1
+    # a checkpoint written before a ModelConfig field existed resumes with the field's default
+    del ckpt["model_config"]["dropout"]
+    torch.save(ckpt, path)
+    capsys.readouterr()
+    train.train(train.parse_args(resume))
+    assert "is complete" in capsys.readouterr().out
     ckpt.update(world=2, step=3)
     torch.save(ckpt, path)
     with pytest.raises(SystemExit, match="number of processes .*nproc_per_node=2"):

@@ -537,7 +537,8 @@ def start_state(args, run_dir, lang, cfg, world):
     diff = []
     if ckpt["language"] != lang.spec():
         diff.append("its language (the spec differs)")
-    if cfg is not None and ckpt.get("model_config") != dataclasses.asdict(cfg):
+    stored = ckpt.get("model_config")   # through ModelConfig: fields added since get defaults
+    if cfg is not None and (stored is None or model.ModelConfig(**stored) != cfg):
         diff.append("its model_config")
     if ckpt.get("world", 1) != world:          # data and masks are drawn per (step, rank)
         diff.append(f"its number of processes ({ckpt.get('world', 1)}, now {world}: "
