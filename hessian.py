@@ -27,7 +27,9 @@ Each ‖∇_θ log p_θ(ỹ|x_-t)‖² is one per-sample gradient, always in eva
   - LSTMs: torch has no vmap rule for the fused nn.LSTM kernel, so nn.LSTM is swapped for
     `FunctionalLSTM` (same parameters, plain ops, verified equal); the per-sample norms then
     come from ONE batched backward, as Σ_t (output gradient)_t ⊗ (input)_t per layer
-    (`_layerwise_sq_norms`), which measured faster than vmap over FunctionalLSTM.
+    (`_layerwise_sq_norms`): 1.3-1.9x faster than vmap over FunctionalLSTM (939 and 915
+    against 481 and 720 pairs/s, two runs of .bench/bench_hessian.py), which is why a second
+    route exists; vmap alone would give the same numbers.
 Pairs (sentence, ỹ) drawn more than once are computed once and counted with multiplicity.
 
 Run (from the repository root):
@@ -73,6 +75,290 @@ SENTENCE_SEED = 0            # same masked sentences for every checkpoint of a r
 GRAD_FLOATS_PER_CHUNK = 2**25  # ~128 MiB of float32 per-sample gradients per vmap chunk
 
 
+# ======================================================================= the paper's core
+# ----------------------------------------------------------------------------- App. B.2
+def model_probs(net, inputs, positions, batch_size=512):
+    """p_θ(· | x_-t) at each masked position over the V words, float64 [N, V] (eval mode)."""
+    with measuring(net):
+        return torch.cat([log_probs_at(net, inputs[s:s + batch_size], positions[s:s + batch_size],
+                                       n_words(net)).double().exp()
+                          for s in range(0, len(inputs), batch_size)])
+
+
+def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0,
+                  chunk_size=None, progress=False):
+    """App. B.2, unbiased estimate of Tr[G] (= Tr[∇²L] in the saturation regime) -> (mean, std).
+
+    Tr[G] = mean over sentences of E_{ỹ ~ p_θ(·|x_-t)} ‖∇_θ log p_θ(ỹ | x_-t)‖²,
+    with ỹ drawn from the model's own softmax over the V words at the masked position (the
+    distribution train.py's loss scores), `n_samples` per sentence.  `std`
+    is the standard deviation over `n_repeats` independent repetitions (fresh ỹ on the same
+    sentences), as the paper reports.  The gradient norm of a (sentence, ỹ) pair drawn more than
+    once is computed once and counted with its multiplicity: same estimate, less work.
+    """
+    if n_samples < 1 or n_repeats < 2:
+        raise ValueError(f"need n_samples >= 1 and n_repeats >= 2 (a std needs two repetitions), "
+                         f"got {n_samples}, {n_repeats}")
+    if inputs.dim() != 2 or positions.shape != inputs.shape[:1]:
+        raise ValueError(f"inputs must be [N, T] and positions [N]; got {tuple(inputs.shape)}, "
+                         f"{tuple(positions.shape)}")
+    _params_and_buffers(model)                                     # fails early without θ
+    probs = model_probs(model, inputs, positions)                  # (N, V)
+    gen = torch.Generator().manual_seed(seed)
+    n, V = probs.shape
+    draws = torch.multinomial(probs.cpu(), n_repeats * n_samples, replacement=True,
+                              generator=gen).view(n, n_repeats, n_samples)
+    counts = torch.zeros(n_repeats, n * V, dtype=torch.float64)  # (repeat, sentence·word)
+    flat = (torch.arange(n).view(n, 1, 1) * V + draws).permute(1, 0, 2).reshape(n_repeats, -1)
+    counts.scatter_add_(1, flat, torch.ones_like(flat, dtype=torch.float64))
+    pairs = counts.sum(0).nonzero().squeeze(1)                     # distinct (sentence, ỹ)
+    sent, word = (pairs // V).to(inputs.device), (pairs % V).to(inputs.device)
+    norms = sq_grad_norms(model, inputs[sent], positions[sent], word, chunk_size, progress)
+    per_repeat = counts[:, pairs] @ norms.cpu() / (n * n_samples)  # (n_repeats,)
+    return per_repeat.mean().item(), per_repeat.std().item()
+
+
+# ----------------------------------------------------------------------------- cross-checks
+def exact_fisher_trace(model, inputs, positions, chunk_size=None):
+    """Tr[G] exactly on these sentences: mean_i Σ_w p_θ(w|x_-t) ‖∇_θ log p_θ(w|x_-t)‖²
+    (App. B.2)."""
+    probs = model_probs(model, inputs, positions)
+    n, V = probs.shape
+    sent = torch.arange(n).repeat_interleave(V).to(inputs.device)
+    word = torch.arange(V).repeat(n).to(inputs.device)
+    norms = sq_grad_norms(model, inputs[sent], positions[sent], word, chunk_size)
+    return (probs.cpu().reshape(-1) * norms.cpu()).sum().item() / n
+
+
+def _loss_closure(model, inputs, positions, targets, batch_size):
+    """Each chunk's loss, scaled so the chunks sum to the mean loss (chunked double backprop)."""
+    n = len(inputs)
+    for s in range(0, n, batch_size):
+        sl = slice(s, s + batch_size)
+        yield mlm_loss(model, inputs[sl], positions[sl], targets[sl]) * (len(inputs[sl]) / n)
+
+
+def hessian_vector_products(model, inputs, positions, targets, vectors, batch_size=256):
+    """[∇²L v for v in vectors] by double backprop (Pearlmutter), L = mlm_loss, eval mode."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = [[torch.zeros_like(p) for p in params] for _ in vectors]
+    fnet = vmappable(model)   # FunctionalLSTM: an LSTM with double backward on every device
+    fparams = [p for p in fnet.parameters() if p.requires_grad]   # same order as `params`
+    with measuring(fnet):
+        for loss in _loss_closure(fnet, inputs, positions, targets, batch_size):
+            g = torch.autograd.grad(loss, fparams, create_graph=True)
+            for k, v in enumerate(vectors):
+                for acc, h in zip(out[k], torch.autograd.grad(g, fparams, v, retain_graph=True)):
+                    acc += h.detach()
+    return out
+
+
+def hutchinson_trace(model, inputs, positions, targets, n_probes=100, seed=0, batch_size=256,
+                     probes_per_pass=10):
+    """Hutchinson Tr[∇²L] ≈ mean_k v_kᵀ ∇²L v_k with Rademacher v_k, as PyHessian does
+    (the authors' released script did the same with Gaussian v_k).
+
+    Estimates the Hessian of the loss on the *given* labels (no saturation assumption).
+    Returns (mean, standard error, per-probe values [n_probes] float64).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(seed)
+    values = []
+    for s in range(0, n_probes, probes_per_pass):
+        vs = [[(torch.randint(0, 2, p.shape, generator=gen) * 2 - 1).to(p) for p in params]
+              for _ in range(min(probes_per_pass, n_probes - s))]
+        hvs = hessian_vector_products(model, inputs, positions, targets, vs, batch_size)
+        values += [sum((a * b).sum().double() for a, b in zip(v, hv)).item()
+                   for v, hv in zip(vs, hvs)]
+    values = torch.tensor(values, dtype=torch.float64)
+    sem = values.std().item() / math.sqrt(n_probes) if n_probes > 1 else float("nan")
+    return values.mean().item(), sem, values
+
+
+def exact_hessian(model, inputs, positions, targets, rows_per_pass=64):
+    """∇²L as a [P, P] matrix, rows by batched double backprop (tiny models only)."""
+    fnet = vmappable(model)
+    params = [p for p in fnet.parameters() if p.requires_grad]
+    with measuring(fnet):
+        loss = mlm_loss(fnet, inputs, positions, targets)
+        g = torch.cat([x.reshape(-1) for x in torch.autograd.grad(loss, params, create_graph=True)])
+        eye, rows = torch.eye(g.numel(), dtype=g.dtype, device=g.device), []
+        for s in range(0, g.numel(), rows_per_pass):
+            hv = torch.autograd.grad(g, params, eye[s:s + rows_per_pass], retain_graph=True,
+                                     is_grads_batched=True)        # rows s .. s+k-1 of ∇²L
+            rows.append(torch.cat([r.reshape(r.shape[0], -1) for r in hv], dim=1).detach())
+    return torch.cat(rows)
+
+
+def exact_hessian_trace(model, inputs, positions, targets):
+    """Tr[∇²L] exactly, from the full Hessian (tiny models only)."""
+    return exact_hessian(model, inputs, positions, targets).trace().item()
+
+
+def lanczos_extremes(model, inputs, positions, targets, n_iter=10, seed=0, batch_size=256):
+    """(smallest, largest) eigenvalue of ∇²L by Lanczos on Hessian-vector products: `n_iter`
+    HVPs, the extreme Ritz values of the tridiagonal matrix.  Away from a minimiser ∇²L is
+    indefinite, so both ends are reported.  Three-term recurrence without reorthogonalisation
+    (memory: 3 parameter vectors); lost orthogonality only duplicates converged Ritz values, it
+    does not move the extreme ones.  λ_min converges more slowly than λ_max (measured: up to
+    25% off after 10 HVPs, 2% after 20, 0.2% after 40)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(seed)
+
+    def dot(a, b):
+        return sum((x.double() * y.double()).sum() for x, y in zip(a, b)).item()
+    v = [torch.randn(p.shape, generator=gen).to(p) for p in params]
+    norm = math.sqrt(dot(v, v))
+    v, v_prev, beta = [x / norm for x in v], None, 0.0
+    alphas, betas = [], []
+    for _ in range(n_iter):
+        w = hessian_vector_products(model, inputs, positions, targets, [v], batch_size)[0]
+        alpha = dot(w, v)
+        w = [wi - alpha * vi - (beta * pi if v_prev is not None else 0) for wi, vi, pi in
+             zip(w, v, v_prev or v)]
+        alphas.append(alpha)
+        beta = math.sqrt(dot(w, w))
+        if beta < 1e-10 * max(1.0, abs(alpha)):                    # invariant subspace found
+            break
+        betas.append(beta)
+        v_prev, v = v, [wi / beta for wi in w]
+    k = len(alphas)
+    tri = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+    off = torch.tensor(betas[:k - 1], dtype=torch.float64)
+    tri += torch.diag(off, 1) + torch.diag(off, -1)
+    ritz = torch.linalg.eigvalsh(tri)                              # ascending
+    return ritz[0].item(), ritz[-1].item()
+
+
+def top_eigenvalue(model, inputs, positions, targets, n_iter=10, seed=0, batch_size=256):
+    """Largest (algebraic) eigenvalue λ_max of ∇²L by Lanczos (`lanczos_extremes`), a sharpness
+    reported beside the §4 trace; at a minimiser ∇²L is PSD and λ_max is also the largest in
+    magnitude.  Measured on ~50k-parameter LSTM and transformer checkpoints (train.py --steps
+    300, 100 sentences): 10 HVPs give λ_max within 1e-3 relative, 20 within 1e-6."""
+    return lanczos_extremes(model, inputs, positions, targets, n_iter, seed, batch_size)[1]
+
+
+def _functional_loss(model, params, rest, inputs, positions, targets):
+    """mlm_loss of `model` evaluated at other parameter values."""
+    logp = log_probs_at(lambda x: functional_call(model, (params, rest), (x,)), inputs, positions,
+                        n_words(model))
+    return _cross_entropy(logp, targets)
+
+
+def sam_sharpness(model, inputs, positions, targets, rho=0.05):
+    """SAM sharpness max_{‖ε‖≤ρ} L(θ+ε) - L(θ), with SAM's first-order
+    ε = ρ ∇L/‖∇L‖."""
+    params, rest = _params_and_buffers(model)
+    with measuring(model):
+        p = {k: v.clone().requires_grad_() for k, v in params.items()}
+        loss = _functional_loss(model, p, rest, inputs, positions, targets)
+        g = torch.autograd.grad(loss, list(p.values()))
+        scale = rho / torch.sqrt(sum((x.double() ** 2).sum() for x in g)).item()
+        moved = {k: v + scale * gi for (k, v), gi in zip(params.items(), g)}
+        with torch.no_grad():
+            moved_loss = _functional_loss(model, moved, rest, inputs, positions, targets)
+    return (moved_loss - loss).item()
+
+
+# ---------------------------------------------------------------------- §3 theory on a toy problem
+# A well-specified model whose global minimisers form a manifold: contexts c ~ π, words
+# y ~ softmax(Z*_c), model p_θ(y|c) = softmax(A_c B) with θ = (A [C, k], B [k, V]).  Every
+# (A G, G⁻¹ B) with G invertible (and every per-row logit shift) fits the teacher exactly, so
+# L(θ) = entropy on a whole manifold Γ, while Tr[∇²L] varies along it (it is large when A and B
+# are unbalanced).  All float64, gradients in closed form (∂(-log p_y)/∂z = p - e_y).
+
+def softmax_teacher(n_contexts=6, n_words=6, width=6, seed=0):
+    """Teacher θ* = (A*, B*) and context distribution π of the toy problem (§3)."""
+    gen = torch.Generator().manual_seed(seed)
+    A = torch.randn(n_contexts, width, generator=gen, dtype=torch.float64)
+    B = torch.randn(width, n_words, generator=gen, dtype=torch.float64) / math.sqrt(width)
+    pi = torch.softmax(0.5 * torch.randn(n_contexts, generator=gen, dtype=torch.float64), 0)
+    return A, B, pi
+
+
+def _split(theta, shape_a, shape_b):
+    """Views A, B of the flat parameter vector θ = (vec A, vec B)."""
+    n_a = shape_a[0] * shape_a[1]
+    return theta[:n_a].view(shape_a), theta[n_a:].view(shape_b)
+
+
+def population_loss(theta, shape_a, shape_b, pi, p_true):
+    """L(θ) = Σ_c π_c Σ_y p*(y|c) (-log p_θ(y|c)), exactly."""
+    A, B = _split(theta, shape_a, shape_b)
+    return -(pi[:, None] * p_true * torch.log_softmax(A @ B, -1)).sum()
+
+
+def population_hessian(theta, shape_a, shape_b, pi, p_true):
+    """∇²L(θ) [P, P] by autograd (torch.func.hessian)."""
+    return torch.func.hessian(population_loss)(theta, shape_a, shape_b, pi, p_true)
+
+
+def sample_gradients(theta, shape_a, shape_b, contexts, words):
+    """Per-sample ∇_θ(-log p_θ(y|c)) for each (c, y) pair, [n, P], in closed form."""
+    A, B = _split(theta, shape_a, shape_b)
+    delta = torch.softmax(A[contexts] @ B, -1)                     # (n, V): p - e_y
+    delta[torch.arange(len(words)), words] -= 1
+    g_a = torch.zeros(len(words), *shape_a, dtype=theta.dtype)
+    g_a[torch.arange(len(words)), contexts] = delta @ B.T          # only row A_c moves
+    g_b = A[contexts][:, :, None] * delta[:, None, :]              # (n, k, V): A_c ⊗ (p - e_y)
+    return torch.cat([g_a.flatten(1), g_b.flatten(1)], dim=1)
+
+
+def gradient_covariance(theta, shape_a, shape_b, pi, p_true, n_samples=None, seed=0):
+    """Σ(θ) = E[g gᵀ] - ∇L ∇Lᵀ of the stochastic gradient (Lemma 3.2): exact when
+    n_samples is None (every (c, y) weighted by π_c p*(y|c)), else the sample covariance of n
+    fresh draws."""
+    C, V = p_true.shape
+    if n_samples is None:
+        contexts = torch.arange(C).repeat_interleave(V)
+        words = torch.arange(V).repeat(C)
+        weights = (pi[:, None] * p_true).reshape(-1)
+        g = sample_gradients(theta, shape_a, shape_b, contexts, words)
+        mean = weights @ g
+        return (g * weights[:, None]).T @ g - torch.outer(mean, mean)
+    gen = torch.Generator().manual_seed(seed)
+    contexts = torch.multinomial(pi, n_samples, replacement=True, generator=gen)
+    words = torch.multinomial(p_true[contexts], 1, generator=gen)[:, 0]
+    return torch.cov(sample_gradients(theta, shape_a, shape_b, contexts, words).T)
+
+
+def sgd_demo(steps=20_000, lr=0.05, batch_size=1, balance=2.0, n_rows=10, seed=0, log=None):
+    """Theorem 3.3: SGD with fresh samples, started on Γ, keeps L at the entropy and drifts
+    toward smaller Tr[∇²L].  Starts at (balance·A*, B*/balance), a minimiser of the teacher's
+    own family.  Returns rows (step, loss - entropy, Tr[∇²L]); `log` prints each row."""
+    A, B, pi = softmax_teacher(seed=seed)
+    p_true = torch.softmax(A @ B, -1)
+    entropy = -(pi[:, None] * p_true * p_true.log()).sum().item()
+    shapes = (A.shape, B.shape)
+    theta = torch.cat([(balance * A).reshape(-1), (B / balance).reshape(-1)])
+    A_t, B_t = _split(theta, *shapes)                              # views: updated in place
+    gen = torch.Generator().manual_seed(seed + 1)
+    contexts = torch.multinomial(pi, steps * batch_size, replacement=True, generator=gen)
+    words = torch.multinomial(p_true[contexts], 1, generator=gen)[:, 0]   # fresh samples
+    contexts, words = contexts.view(steps, batch_size), words.view(steps, batch_size)
+    rows, rng = [], torch.arange(batch_size)
+    for step in range(steps + 1):
+        if step % max(1, steps // n_rows) == 0 or step == steps:
+            loss = population_loss(theta, *shapes, pi, p_true).item()
+            trace = population_hessian(theta, *shapes, pi, p_true).trace().item()
+            rows.append((step, loss - entropy, trace))
+            if log:
+                log(f"{step:8d} {loss - entropy:14.2e} {trace:10.4f}")
+        if step == steps:
+            break
+        c, y = contexts[step], words[step]
+        delta = torch.softmax(A_t[c] @ B_t, -1)                    # (batch, V): p - e_y
+        delta[rng, y] -= 1
+        grad_b = A_t[c].T @ delta / batch_size
+        A_t.index_add_(0, c, delta @ B_t.T, alpha=-lr / batch_size)
+        B_t.sub_(lr * grad_b)
+    return rows
+
+
+# ======================================================================= plumbing
+# What the estimator stands on: per-sample gradient norms (vmap for transformers, one batched
+# backward through a plain-ops LSTM for LSTMs), log-probabilities at the masked position, and
+# eval mode. A student implementing trace_hessian can use these as they are.
 # ----------------------------------------------------------------------------- helpers
 class FunctionalLSTM(nn.Module):
     """nn.LSTM written with plain ops so torch.func.vmap can batch it (no fused kernel).
@@ -358,284 +644,6 @@ def _layerwise_sq_norms(fnet, net):
 
 
 @torch.no_grad()
-def model_probs(net, inputs, positions, batch_size=512):
-    """p_θ(· | x_-t) at each masked position over the V words, float64 [N, V] (eval mode)."""
-    with measuring(net):
-        return torch.cat([log_probs_at(net, inputs[s:s + batch_size], positions[s:s + batch_size],
-                                       n_words(net)).double().exp()
-                          for s in range(0, len(inputs), batch_size)])
-
-
-def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0,
-                  chunk_size=None, progress=False):
-    """App. B.2, unbiased estimate of Tr[G] (= Tr[∇²L] in the saturation regime) -> (mean, std).
-
-    Tr[G] = mean over sentences of E_{ỹ ~ p_θ(·|x_-t)} ‖∇_θ log p_θ(ỹ | x_-t)‖²,
-    with ỹ drawn from the model's own softmax over the V words at the masked position (the
-    distribution train.py's loss scores), `n_samples` per sentence.  `std`
-    is the standard deviation over `n_repeats` independent repetitions (fresh ỹ on the same
-    sentences), as the paper reports.  The gradient norm of a (sentence, ỹ) pair drawn more than
-    once is computed once and counted with its multiplicity: same estimate, less work.
-    """
-    if n_samples < 1 or n_repeats < 2:
-        raise ValueError(f"need n_samples >= 1 and n_repeats >= 2 (a std needs two repetitions), "
-                         f"got {n_samples}, {n_repeats}")
-    if inputs.dim() != 2 or positions.shape != inputs.shape[:1]:
-        raise ValueError(f"inputs must be [N, T] and positions [N]; got {tuple(inputs.shape)}, "
-                         f"{tuple(positions.shape)}")
-    _params_and_buffers(model)                                     # fails early without θ
-    probs = model_probs(model, inputs, positions)                  # (N, V)
-    gen = torch.Generator().manual_seed(seed)
-    n, V = probs.shape
-    draws = torch.multinomial(probs.cpu(), n_repeats * n_samples, replacement=True,
-                              generator=gen).view(n, n_repeats, n_samples)
-    counts = torch.zeros(n_repeats, n * V, dtype=torch.float64)  # (repeat, sentence·word)
-    flat = (torch.arange(n).view(n, 1, 1) * V + draws).permute(1, 0, 2).reshape(n_repeats, -1)
-    counts.scatter_add_(1, flat, torch.ones_like(flat, dtype=torch.float64))
-    pairs = counts.sum(0).nonzero().squeeze(1)                     # distinct (sentence, ỹ)
-    sent, word = (pairs // V).to(inputs.device), (pairs % V).to(inputs.device)
-    norms = sq_grad_norms(model, inputs[sent], positions[sent], word, chunk_size, progress)
-    per_repeat = counts[:, pairs] @ norms.cpu() / (n * n_samples)  # (n_repeats,)
-    return per_repeat.mean().item(), per_repeat.std().item()
-
-
-# ----------------------------------------------------------------------------- cross-checks
-def exact_fisher_trace(model, inputs, positions, chunk_size=None):
-    """Tr[G] exactly on these sentences: mean_i Σ_w p_θ(w|x_-t) ‖∇_θ log p_θ(w|x_-t)‖²
-    (App. B.2)."""
-    probs = model_probs(model, inputs, positions)
-    n, V = probs.shape
-    sent = torch.arange(n).repeat_interleave(V).to(inputs.device)
-    word = torch.arange(V).repeat(n).to(inputs.device)
-    norms = sq_grad_norms(model, inputs[sent], positions[sent], word, chunk_size)
-    return (probs.cpu().reshape(-1) * norms.cpu()).sum().item() / n
-
-
-def _loss_closure(model, inputs, positions, targets, batch_size):
-    """Each chunk's loss, scaled so the chunks sum to the mean loss (chunked double backprop)."""
-    n = len(inputs)
-    for s in range(0, n, batch_size):
-        sl = slice(s, s + batch_size)
-        yield mlm_loss(model, inputs[sl], positions[sl], targets[sl]) * (len(inputs[sl]) / n)
-
-
-def hessian_vector_products(model, inputs, positions, targets, vectors, batch_size=256):
-    """[∇²L v for v in vectors] by double backprop (Pearlmutter), L = mlm_loss, eval mode."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    out = [[torch.zeros_like(p) for p in params] for _ in vectors]
-    fnet = vmappable(model)   # FunctionalLSTM: an LSTM with double backward on every device
-    fparams = [p for p in fnet.parameters() if p.requires_grad]   # same order as `params`
-    with measuring(fnet):
-        for loss in _loss_closure(fnet, inputs, positions, targets, batch_size):
-            g = torch.autograd.grad(loss, fparams, create_graph=True)
-            for k, v in enumerate(vectors):
-                for acc, h in zip(out[k], torch.autograd.grad(g, fparams, v, retain_graph=True)):
-                    acc += h.detach()
-    return out
-
-
-def hutchinson_trace(model, inputs, positions, targets, n_probes=100, seed=0, batch_size=256,
-                     probes_per_pass=10):
-    """Hutchinson Tr[∇²L] ≈ mean_k v_kᵀ ∇²L v_k with Rademacher v_k, as PyHessian does
-    (the authors' released script did the same with Gaussian v_k).
-
-    Estimates the Hessian of the loss on the *given* labels (no saturation assumption).
-    Returns (mean, standard error, per-probe values [n_probes] float64).
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    gen = torch.Generator().manual_seed(seed)
-    values = []
-    for s in range(0, n_probes, probes_per_pass):
-        vs = [[(torch.randint(0, 2, p.shape, generator=gen) * 2 - 1).to(p) for p in params]
-              for _ in range(min(probes_per_pass, n_probes - s))]
-        hvs = hessian_vector_products(model, inputs, positions, targets, vs, batch_size)
-        values += [sum((a * b).sum().double() for a, b in zip(v, hv)).item()
-                   for v, hv in zip(vs, hvs)]
-    values = torch.tensor(values, dtype=torch.float64)
-    sem = values.std().item() / math.sqrt(n_probes) if n_probes > 1 else float("nan")
-    return values.mean().item(), sem, values
-
-
-def exact_hessian(model, inputs, positions, targets, rows_per_pass=64):
-    """∇²L as a [P, P] matrix, rows by batched double backprop (tiny models only)."""
-    fnet = vmappable(model)
-    params = [p for p in fnet.parameters() if p.requires_grad]
-    with measuring(fnet):
-        loss = mlm_loss(fnet, inputs, positions, targets)
-        g = torch.cat([x.reshape(-1) for x in torch.autograd.grad(loss, params, create_graph=True)])
-        eye, rows = torch.eye(g.numel(), dtype=g.dtype, device=g.device), []
-        for s in range(0, g.numel(), rows_per_pass):
-            hv = torch.autograd.grad(g, params, eye[s:s + rows_per_pass], retain_graph=True,
-                                     is_grads_batched=True)        # rows s .. s+k-1 of ∇²L
-            rows.append(torch.cat([r.reshape(r.shape[0], -1) for r in hv], dim=1).detach())
-    return torch.cat(rows)
-
-
-def exact_hessian_trace(model, inputs, positions, targets):
-    """Tr[∇²L] exactly, from the full Hessian (tiny models only)."""
-    return exact_hessian(model, inputs, positions, targets).trace().item()
-
-
-def lanczos_extremes(model, inputs, positions, targets, n_iter=10, seed=0, batch_size=256):
-    """(smallest, largest) eigenvalue of ∇²L by Lanczos on Hessian-vector products: `n_iter`
-    HVPs, the extreme Ritz values of the tridiagonal matrix.  Away from a minimiser ∇²L is
-    indefinite, so both ends are reported.  Three-term recurrence without reorthogonalisation
-    (memory: 3 parameter vectors); lost orthogonality only duplicates converged Ritz values, it
-    does not move the extreme ones.  λ_min converges more slowly than λ_max (measured: up to
-    25% off after 10 HVPs, 2% after 20, 0.2% after 40)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    gen = torch.Generator().manual_seed(seed)
-
-    def dot(a, b):
-        return sum((x.double() * y.double()).sum() for x, y in zip(a, b)).item()
-    v = [torch.randn(p.shape, generator=gen).to(p) for p in params]
-    norm = math.sqrt(dot(v, v))
-    v, v_prev, beta = [x / norm for x in v], None, 0.0
-    alphas, betas = [], []
-    for _ in range(n_iter):
-        w = hessian_vector_products(model, inputs, positions, targets, [v], batch_size)[0]
-        alpha = dot(w, v)
-        w = [wi - alpha * vi - (beta * pi if v_prev is not None else 0) for wi, vi, pi in
-             zip(w, v, v_prev or v)]
-        alphas.append(alpha)
-        beta = math.sqrt(dot(w, w))
-        if beta < 1e-10 * max(1.0, abs(alpha)):                    # invariant subspace found
-            break
-        betas.append(beta)
-        v_prev, v = v, [wi / beta for wi in w]
-    k = len(alphas)
-    tri = torch.diag(torch.tensor(alphas, dtype=torch.float64))
-    off = torch.tensor(betas[:k - 1], dtype=torch.float64)
-    tri += torch.diag(off, 1) + torch.diag(off, -1)
-    ritz = torch.linalg.eigvalsh(tri)                              # ascending
-    return ritz[0].item(), ritz[-1].item()
-
-
-def top_eigenvalue(model, inputs, positions, targets, n_iter=10, seed=0, batch_size=256):
-    """Largest (algebraic) eigenvalue λ_max of ∇²L by Lanczos (`lanczos_extremes`), a sharpness
-    reported beside the §4 trace; at a minimiser ∇²L is PSD and λ_max is also the largest in
-    magnitude.  Measured on ~50k-parameter LSTM and transformer checkpoints (train.py --steps
-    300, 100 sentences): 10 HVPs give λ_max within 1e-3 relative, 20 within 1e-6."""
-    return lanczos_extremes(model, inputs, positions, targets, n_iter, seed, batch_size)[1]
-
-
-def _functional_loss(model, params, rest, inputs, positions, targets):
-    """mlm_loss of `model` evaluated at other parameter values."""
-    logp = log_probs_at(lambda x: functional_call(model, (params, rest), (x,)), inputs, positions,
-                        n_words(model))
-    return _cross_entropy(logp, targets)
-
-
-def sam_sharpness(model, inputs, positions, targets, rho=0.05):
-    """SAM sharpness max_{‖ε‖≤ρ} L(θ+ε) - L(θ), with SAM's first-order
-    ε = ρ ∇L/‖∇L‖."""
-    params, rest = _params_and_buffers(model)
-    with measuring(model):
-        p = {k: v.clone().requires_grad_() for k, v in params.items()}
-        loss = _functional_loss(model, p, rest, inputs, positions, targets)
-        g = torch.autograd.grad(loss, list(p.values()))
-        scale = rho / torch.sqrt(sum((x.double() ** 2).sum() for x in g)).item()
-        moved = {k: v + scale * gi for (k, v), gi in zip(params.items(), g)}
-        with torch.no_grad():
-            moved_loss = _functional_loss(model, moved, rest, inputs, positions, targets)
-    return (moved_loss - loss).item()
-
-
-# ---------------------------------------------------------------------- §3 theory on a toy problem
-# A well-specified model whose global minimisers form a manifold: contexts c ~ π, words
-# y ~ softmax(Z*_c), model p_θ(y|c) = softmax(A_c B) with θ = (A [C, k], B [k, V]).  Every
-# (A G, G⁻¹ B) with G invertible (and every per-row logit shift) fits the teacher exactly, so
-# L(θ) = entropy on a whole manifold Γ, while Tr[∇²L] varies along it (it is large when A and B
-# are unbalanced).  All float64, gradients in closed form (∂(-log p_y)/∂z = p - e_y).
-
-def softmax_teacher(n_contexts=6, n_words=6, width=6, seed=0):
-    """Teacher θ* = (A*, B*) and context distribution π of the toy problem (§3)."""
-    gen = torch.Generator().manual_seed(seed)
-    A = torch.randn(n_contexts, width, generator=gen, dtype=torch.float64)
-    B = torch.randn(width, n_words, generator=gen, dtype=torch.float64) / math.sqrt(width)
-    pi = torch.softmax(0.5 * torch.randn(n_contexts, generator=gen, dtype=torch.float64), 0)
-    return A, B, pi
-
-
-def _split(theta, shape_a, shape_b):
-    """Views A, B of the flat parameter vector θ = (vec A, vec B)."""
-    n_a = shape_a[0] * shape_a[1]
-    return theta[:n_a].view(shape_a), theta[n_a:].view(shape_b)
-
-
-def population_loss(theta, shape_a, shape_b, pi, p_true):
-    """L(θ) = Σ_c π_c Σ_y p*(y|c) (-log p_θ(y|c)), exactly."""
-    A, B = _split(theta, shape_a, shape_b)
-    return -(pi[:, None] * p_true * torch.log_softmax(A @ B, -1)).sum()
-
-
-def population_hessian(theta, shape_a, shape_b, pi, p_true):
-    """∇²L(θ) [P, P] by autograd (torch.func.hessian)."""
-    return torch.func.hessian(population_loss)(theta, shape_a, shape_b, pi, p_true)
-
-
-def sample_gradients(theta, shape_a, shape_b, contexts, words):
-    """Per-sample ∇_θ(-log p_θ(y|c)) for each (c, y) pair, [n, P], in closed form."""
-    A, B = _split(theta, shape_a, shape_b)
-    delta = torch.softmax(A[contexts] @ B, -1)                     # (n, V): p - e_y
-    delta[torch.arange(len(words)), words] -= 1
-    g_a = torch.zeros(len(words), *shape_a, dtype=theta.dtype)
-    g_a[torch.arange(len(words)), contexts] = delta @ B.T          # only row A_c moves
-    g_b = A[contexts][:, :, None] * delta[:, None, :]              # (n, k, V): A_c ⊗ (p - e_y)
-    return torch.cat([g_a.flatten(1), g_b.flatten(1)], dim=1)
-
-
-def gradient_covariance(theta, shape_a, shape_b, pi, p_true, n_samples=None, seed=0):
-    """Σ(θ) = E[g gᵀ] - ∇L ∇Lᵀ of the stochastic gradient (Lemma 3.2): exact when
-    n_samples is None (every (c, y) weighted by π_c p*(y|c)), else the sample covariance of n
-    fresh draws."""
-    C, V = p_true.shape
-    if n_samples is None:
-        contexts = torch.arange(C).repeat_interleave(V)
-        words = torch.arange(V).repeat(C)
-        weights = (pi[:, None] * p_true).reshape(-1)
-        g = sample_gradients(theta, shape_a, shape_b, contexts, words)
-        mean = weights @ g
-        return (g * weights[:, None]).T @ g - torch.outer(mean, mean)
-    gen = torch.Generator().manual_seed(seed)
-    contexts = torch.multinomial(pi, n_samples, replacement=True, generator=gen)
-    words = torch.multinomial(p_true[contexts], 1, generator=gen)[:, 0]
-    return torch.cov(sample_gradients(theta, shape_a, shape_b, contexts, words).T)
-
-
-def sgd_demo(steps=20_000, lr=0.05, batch_size=1, balance=2.0, n_rows=10, seed=0, log=None):
-    """Theorem 3.3: SGD with fresh samples, started on Γ, keeps L at the entropy and drifts
-    toward smaller Tr[∇²L].  Starts at (balance·A*, B*/balance), a minimiser of the teacher's
-    own family.  Returns rows (step, loss - entropy, Tr[∇²L]); `log` prints each row."""
-    A, B, pi = softmax_teacher(seed=seed)
-    p_true = torch.softmax(A @ B, -1)
-    entropy = -(pi[:, None] * p_true * p_true.log()).sum().item()
-    shapes = (A.shape, B.shape)
-    theta = torch.cat([(balance * A).reshape(-1), (B / balance).reshape(-1)])
-    A_t, B_t = _split(theta, *shapes)                              # views: updated in place
-    gen = torch.Generator().manual_seed(seed + 1)
-    contexts = torch.multinomial(pi, steps * batch_size, replacement=True, generator=gen)
-    words = torch.multinomial(p_true[contexts], 1, generator=gen)[:, 0]   # fresh samples
-    contexts, words = contexts.view(steps, batch_size), words.view(steps, batch_size)
-    rows, rng = [], torch.arange(batch_size)
-    for step in range(steps + 1):
-        if step % max(1, steps // n_rows) == 0 or step == steps:
-            loss = population_loss(theta, *shapes, pi, p_true).item()
-            trace = population_hessian(theta, *shapes, pi, p_true).trace().item()
-            rows.append((step, loss - entropy, trace))
-            if log:
-                log(f"{step:8d} {loss - entropy:14.2e} {trace:10.4f}")
-        if step == steps:
-            break
-        c, y = contexts[step], words[step]
-        delta = torch.softmax(A_t[c] @ B_t, -1)                    # (batch, V): p - e_y
-        delta[rng, y] -= 1
-        grad_b = A_t[c].T @ delta / batch_size
-        A_t.index_add_(0, c, delta @ B_t.T, alpha=-lr / batch_size)
-        B_t.sub_(lr * grad_b)
-    return rows
-
-
 # ----------------------------------------------------------------------------- CLI
 def masked_sentences(lang, n, seed=SENTENCE_SEED):
     """n sentences of `lang`, one uniform mask each (data.mask_one): (inputs, targets, positions).
