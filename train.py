@@ -876,8 +876,8 @@ def print_header(run, ckpt):
 def parse_args(argv=None):
     """The run's arguments: the command line, or, with --resume / --branch-from, the arguments
     stored in the checkpoint with only the flags that may change replaced (see merge_stored)."""
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " The module "
+                                "docstring (python -m pydoc train) explains every option.",
                                 allow_abbrev=False)    # so that given_flags sees every flag
     a = p.add_argument
     a("--lang", default=None, help=f"language: one of {', '.join(LANGUAGES)}, or a .json "
