@@ -1719,6 +1719,24 @@ def test_hessian_saturation_fisher_hutchinson_exact_agree():
     assert abs(hessian.exact_hessian_trace(net, inputs, positions, wrong) - fisher) > 0.05 * fisher
 
 
+def test_hessian_fisher_gap_equals_exact_hessian_minus_fisher():
+    """fisher_gap estimates Tr[∇²L_pop] - Tr[G], L_pop the cross-entropy against a true
+    conditional p*: exactly (full Hessian of the gap loss) and by Hutchinson within 4 se."""
+    net = _hessian_net("lstm", lstm_hidden=3, n_layers=1)
+    inputs, _, positions = _hessian_batch(n=8)
+    p_model = hessian.model_probs(net, inputs, positions)
+    torch.manual_seed(3)
+    p_true = torch.distributions.Dirichlet(torch.ones(5)).sample((8,)).double()
+    exact = (hessian.exact_hessian_trace(net, inputs, positions, p_true.float())
+             - hessian.exact_fisher_trace(net, inputs, positions))
+    assert hessian.exact_hessian_trace(net, inputs, positions,
+                                       (p_true - p_model).float()) == pytest.approx(exact, abs=1e-5)
+    mean, se = hessian.fisher_gap(net, inputs, positions, p_true, n_probes=60, seed=1)
+    assert abs(mean - exact) < 4 * se and se < 0.5 * abs(exact), (mean, se, exact)
+    zero, _ = hessian.fisher_gap(net, inputs, positions, p_model, n_probes=4)
+    assert abs(zero) < 1e-6                                  # at p* = p_θ there is no gap
+
+
 def test_hessian_top_eigenvalue_and_sam_against_full_hessian():
     net = _hessian_net("lstm", lstm_hidden=3, n_layers=1)
     inputs, targets, positions = _hessian_batch(n=8)
