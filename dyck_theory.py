@@ -514,53 +514,78 @@ def theorem_failure_bound(n):
 def run_checks(T, m, n, seed, log=print):
     """Compute every claim; returns (result dict, the --json object; [(claim, ok, text)]; extras).
 
-    ok is True / False, or None (N/A) for random-features lines when m < rf_min_width(T) makes zero
-    loss impossible.
+    ok is True / False, or None (N/A) for random-features lines when m < rf_min_width(T) makes
+    zero loss impossible. One function per claim below; this one builds what they share.
     """
     check_args(T, m, n)
     t0 = time.time()
     X, y = pretraining_support(T, seed)
     Xd, gd = downstream_population(T, seed)
-    bound = lower_bound(T, m)
-    claims = []
-    claim = lambda name, ok, text: claims.append((name, ok, text))
     exact = ("exact over the enumerated support" if T <= ENUM_MAX_T
              else f"{X.shape[0]} sampled support points")
     log(f"T={T}, m={m}, n={n}, seed={seed}: {X.shape[0]} MLM inputs ({exact}), "
         f"{Xd.shape[0]} downstream inputs")
-
     sol = {"transferable": transferable_solution(T, m),
            "random_features": random_features_solution(T, m, X, y, seed)}
     log(f"flattest search: {SEARCH_RUNS} runs x {SEARCH_OUTER * SEARCH_INNER} steps ...")
     search = flattest_search(T, m, X, y, seed, log=log)
     best = min(range(len(search)), key=lambda r: search[r][1])
     sol["flattest_search"] = search[best][0]
+    narrow = lambda w: w < rf_min_width(T) and T <= ENUM_MAX_T   # random features: N/A
 
-    # 1. zero MLM loss
-    loss = {k: mlm_loss(p, X, y).item() for k, p in sol.items()}
-    # random features cannot interpolate: N/A
-    narrow = lambda w: w < rf_min_width(T) and T <= ENUM_MAX_T
+    c1, loss = claim_zero_loss(sol, X, y, T, m, narrow)
+    c2, hess = claim_trace_identity(sol, X, y, loss, m, narrow)
+    c3, rf_ratios = claim_bound(sol, hess, X, y, T, m, seed, narrow)
+    c4, ratios, st = claim_flattest_search(search, sol["flattest_search"], X, y)
+    log(f"downstream: {FAILURE_DRAWS} draws of n={n} samples ...")
+    c5, med, failure = claim_downstream(sol, Xd, gd, T, n, seed)
+    result = {
+        "T": T, "m": m, "n": n,
+        "mlm_loss": loss,
+        "trace": {**{k: hess[k]["total"] for k in sol}, "lower_bound": lower_bound(T, m)},
+        "downstream_loss": med,
+        "downstream_failure_probability": failure,
+    }
+    extras = {"search_ratios": ratios, "structure": st, "rf_ratios": rf_ratios,
+              "seconds": time.time() - t0}
+    return result, c1 + c2 + c3 + c4 + c5, extras
+
+
+def claim_zero_loss(sol, X, y, T, m, narrow):
+    """Claim 1: each solution has zero MLM loss on the whole support (§5)."""
+    claims, loss = [], {k: mlm_loss(p, X, y).item() for k, p in sol.items()}
     for k, v in loss.items():
         na = k == "random_features" and narrow(m) and v > ZERO_LOSS_TOL
-        claim(f"1. zero MLM loss, {k}", None if na else v <= ZERO_LOSS_TOL,
-              f"L = {v:.2e}"
-              + (f" (m < {rf_min_width(T)}: too narrow to interpolate)" if na else ""))
+        claims.append((f"1. zero MLM loss, {k}", None if na else v <= ZERO_LOSS_TOL,
+                       f"L = {v:.2e}"
+                       + (f" (m < {rf_min_width(T)}: too narrow to interpolate)" if na else "")))
+    return claims, loss
 
-    # 2. exact autograd trace and the Lemma F.4 identity
+
+def claim_trace_identity(sol, X, y, loss, m, narrow):
+    """Claim 2: the exact autograd trace equals 2 E|grad f|^2 at zero loss (Lemma F.4)."""
+    claims = []
     hess = {k: hessian_trace(p, X, y) for k, p in sol.items()}
     ident = {k: grad_norm_trace(p, X) for k, p in sol.items()}
     for k in sol:
         rel = abs(hess[k]["total"] - ident[k]["total"]) / ident[k]["total"]
         ok = rel < 1e-8 and loss[k] <= ZERO_LOSS_TOL
-        claim(f"2. Tr H (autograd) = 2E|grad f|^2, {k}",
-              None if (not ok and k == "random_features" and narrow(m)) else ok,
-              f"{hess[k]['total']:.10g} vs {ident[k]['total']:.10g} (rel diff {rel:.1e}); "
-              + ", ".join(f"Tr_{b} = {hess[k][b]:.4g}" for b in PARAM_ORDER))
+        claims.append((f"2. Tr H (autograd) = 2E|grad f|^2, {k}",
+                       None if (not ok and k == "random_features" and narrow(m)) else ok,
+                       f"{hess[k]['total']:.10g} vs {ident[k]['total']:.10g} (rel diff "
+                       f"{rel:.1e}); "
+                       + ", ".join(f"Tr_{b} = {hess[k][b]:.4g}" for b in PARAM_ORDER)))
+    return claims, hess
 
-    # 3. Lemma F.1 bound: attained by (1), strictly above for (2) at several widths
+
+def claim_bound(sol, hess, X, y, T, m, seed, narrow):
+    """Claim 3: solution (1) attains the Lemma F.1 bound; random features sit strictly above
+    it at several widths, even after the optimal rescaling (balance)."""
+    bound = lower_bound(T, m)
     r1 = hess["transferable"]["total"] / bound
-    claim("3. solution (1) attains the Lemma F.1 bound 4/(m sqrt T)", abs(r1 - 1) < 1e-9,
-          f"Tr = {hess['transferable']['total']:.10g}, bound = {bound:.10g}, ratio = {r1:.12f}")
+    claims = [("3. solution (1) attains the Lemma F.1 bound 4/(m sqrt T)", abs(r1 - 1) < 1e-9,
+               f"Tr = {hess['transferable']['total']:.10g}, bound = {bound:.10g}, "
+               f"ratio = {r1:.12f}")]
     rf_ratios = {}
     for w in (m * f for f in RF_WIDTH_FACTORS):
         p = sol["random_features"] if w == m else random_features_solution(T, w, X, y, seed)
@@ -568,68 +593,67 @@ def run_checks(T, m, n, seed, log=print):
         raw = grad_norm_trace(p, X)["total"] / lower_bound(T, w)
         bal = grad_norm_trace(balance(p, X), X)["total"] / lower_bound(T, w)
         rf_ratios[w] = (raw, bal)
-        claim(f"3. solution (2) strictly above the bound, m={w}",
-              None if not ok_fit and narrow(w) else ok_fit and bal > 1 + 1e-6,
-              f"trace/bound = {raw:.3f} raw (V ~ N(0,T)), {bal:.3f} after balancing"
-              + ("" if ok_fit else " (not a zero-loss solution at this width)"))
+        claims.append((f"3. solution (2) strictly above the bound, m={w}",
+                       None if not ok_fit and narrow(w) else ok_fit and bal > 1 + 1e-6,
+                       f"trace/bound = {raw:.3f} raw (V ~ N(0,T)), {bal:.3f} after balancing"
+                       + ("" if ok_fit else " (not a zero-loss solution at this width)")))
+    return claims, rf_ratios
 
-    # 4. flattest search
+
+def claim_flattest_search(search, flattest, X, y):
+    """Claim 4: a search for the flattest zero-loss model reaches the bound, with the structure
+    of Lemma F.3 (two groups of neurons, content rows parallel to 1_T, uniform attention)."""
     ratios = [r for _, r in search]
     reached = sum(r - 1 < SEARCH_TOL for r in ratios)
-    claim("4. search reaches the bound (within SEARCH_TOL)",
-          reached >= 1 and min(ratios) >= 1 - 1e-9,
-          f"{reached}/{len(ratios)} runs within {SEARCH_TOL:.0%}; trace/bound = "
-          + ", ".join(f"{r:.5f}" for r in ratios))
-    st = neuron_structure(sol["flattest_search"], X, y)
-    claim("4. flattest structure: two groups, no cancellation, content rows prop. to 1_T",
-          st["group_plus"] >= 1 and st["group_minus"] >= 1
-          and st["neurons_firing_on_both_classes"] == 0
-          and st["min_abs_cos_content_vs_1T"] > 0.99,
-          f"{st['live_neurons']} live neurons = {st['group_plus']} (u>0) + "
-          f"{st['group_minus']} (u<0), "
-          f"{st['neurons_firing_on_both_classes']} fire on both classes, "
-          f"cancelled mass {st['cancelled_mass']:.1e} (|f| = 1), "
-          f"min |cos(V_i[:T], 1_T)| = {st['min_abs_cos_content_vs_1T']:.5f}, "
-          f"max |a_j - 1/T| = {st['max_attention_deviation']:.1e}, "
-          f"max |V_i[T:]|/|V_i[:T]| = {st['max_position_over_content_norm']:.3f}")
+    st = neuron_structure(flattest, X, y)
+    claims = [("4. search reaches the bound (within SEARCH_TOL)",
+               reached >= 1 and min(ratios) >= 1 - 1e-9,
+               f"{reached}/{len(ratios)} runs within {SEARCH_TOL:.0%}; trace/bound = "
+               + ", ".join(f"{r:.5f}" for r in ratios)),
+              ("4. flattest structure: two groups, no cancellation, content rows prop. to 1_T",
+               st["group_plus"] >= 1 and st["group_minus"] >= 1
+               and st["neurons_firing_on_both_classes"] == 0
+               and st["min_abs_cos_content_vs_1T"] > 0.99,
+               f"{st['live_neurons']} live neurons = {st['group_plus']} (u>0) + "
+               f"{st['group_minus']} (u<0), "
+               f"{st['neurons_firing_on_both_classes']} fire on both classes, "
+               f"cancelled mass {st['cancelled_mass']:.1e} (|f| = 1), "
+               f"min |cos(V_i[:T], 1_T)| = {st['min_abs_cos_content_vs_1T']:.5f}, "
+               f"max |a_j - 1/T| = {st['max_attention_deviation']:.1e}, "
+               f"max |V_i[T:]|/|V_i[:T]| = {st['max_position_over_content_norm']:.3f}")]
+    return claims, ratios, st
 
-    # 5. downstream
-    log(f"downstream: {FAILURE_DRAWS} draws of n={n} samples ...")
+
+def claim_downstream(sol, Xd, gd, T, n, seed):
+    """Claim 5 (Thm 5.1): the flattest features solve the downstream task from n samples with
+    a minimum-norm head, random features do not; the failure probability, measured, exact, and
+    against the theorem's 2^-n."""
     ds = {k: downstream_losses(p, Xd, gd, n, FAILURE_DRAWS, seed) for k, p in sol.items()}
     med = {k: v.median().item() for k, v in ds.items()}
     scale = (gd ** 2).mean().item()
-    claim("5. downstream loss: transferable 0 (median draw)", med["transferable"] <= ZERO_LOSS_TOL,
-          f"median L_Pds = {med['transferable']:.2e}")
-    claim("5. downstream loss: flattest search ~0 (median draw)",
-          med["flattest_search"] <= 1e-3 * scale,
-          f"median L_Pds = {med['flattest_search']:.2e} (E g*^2 = {scale:.3g}; "
-          f"near-flattest, not exact)")
-    claim("5. downstream loss: random features stay positive",
-          (ds["random_features"] > 1e-6).float().mean() > 0.99,
-          f"median L_Pds = {med['random_features']:.3g}, "
-          f"min over draws {ds['random_features'].min().item():.3g}")
     fail = (ds["transferable"] > ZERO_LOSS_TOL).double()
     measured, p_exact, p_thm = (fail.mean().item(), failure_probability_exact(T, n),
                                 theorem_failure_bound(n))
     se = math.sqrt(p_exact * (1 - p_exact) / FAILURE_DRAWS)
-    claim("5. failure probability: measured = exact 2(1-p)^n - q^n",
-          abs(measured - p_exact) <= 4 * se + 1e-12,
-          f"measured {measured:.5f} +- {se:.5f} over {FAILURE_DRAWS} draws, exact {p_exact:.5f}")
-    claim("5. THEOREM 5.1's bound: failure <= 2^-n", p_exact <= p_thm,
-          f"exact failure {p_exact:.5g} vs claimed <= {p_thm:.5g} (ratio {p_exact / p_thm:.3g}): "
-          + ("holds" if p_exact <= p_thm else "THE STATED BOUND DOES NOT HOLD in this setting"))
-
-    result = {
-        "T": T, "m": m, "n": n,
-        "mlm_loss": loss,
-        "trace": {**{k: hess[k]["total"] for k in sol}, "lower_bound": bound},
-        "downstream_loss": med,
-        "downstream_failure_probability": {"measured": measured, "exact": p_exact,
-                                           "theorem_bound": p_thm},
-    }
-    extras = {"search_ratios": ratios, "structure": st, "rf_ratios": rf_ratios,
-              "seconds": time.time() - t0}
-    return result, claims, extras
+    claims = [
+        ("5. downstream loss: transferable 0 (median draw)", med["transferable"] <= ZERO_LOSS_TOL,
+         f"median L_Pds = {med['transferable']:.2e}"),
+        ("5. downstream loss: flattest search ~0 (median draw)",
+         med["flattest_search"] <= 1e-3 * scale,
+         f"median L_Pds = {med['flattest_search']:.2e} (E g*^2 = {scale:.3g}; "
+         f"near-flattest, not exact)"),
+        ("5. downstream loss: random features stay positive",
+         (ds["random_features"] > 1e-6).float().mean() > 0.99,
+         f"median L_Pds = {med['random_features']:.3g}, "
+         f"min over draws {ds['random_features'].min().item():.3g}"),
+        ("5. failure probability: measured = exact 2(1-p)^n - q^n",
+         abs(measured - p_exact) <= 4 * se + 1e-12,
+         f"measured {measured:.5f} +- {se:.5f} over {FAILURE_DRAWS} draws, exact {p_exact:.5f}"),
+        ("5. THEOREM 5.1's bound: failure <= 2^-n", p_exact <= p_thm,
+         f"exact failure {p_exact:.5g} vs claimed <= {p_thm:.5g} (ratio {p_exact / p_thm:.3g}): "
+         + ("holds" if p_exact <= p_thm else "THE STATED BOUND DOES NOT HOLD in this setting"))]
+    failure = {"measured": measured, "exact": p_exact, "theorem_bound": p_thm}
+    return claims, med, failure
 
 
 def main(argv=None):
