@@ -506,7 +506,10 @@ def compare(table, acc_col, spec_a, spec_b):
                 f"acc {a[acc_col]:.4f})  B {b['run']}@{b['step']} (KL {b['kl']:.4f} ± "
                 f"{b['kl_se']:.4f}, acc {b[acc_col]:.4f})  diff {d:+.4f} ± {se:.4f} (test set)")
         if margin is not None:
-            text += f"; |dKL| = {margin:.1f} se ({'matched' if margin < 2 else 'NOT matched'})"
+            text += f"; |dKL| = {margin:.1f} se ({'matched' if margin < 2 else 'NOT matched'}"
+            if margin >= 2:     # which way the remaining loss difference pushes the accuracy
+                text += f": the lower loss is {'A' if a['kl'] < b['kl'] else 'B'}'s"
+            text += ")"
             if len(ranked) > 1:
                 d2, _ = _paired(a, ranked[1], acc_col)
                 next_diffs.append(d2)
