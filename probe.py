@@ -503,8 +503,9 @@ def compare(table, acc_col, spec_a, spec_b):
         d, se = _paired(a, b, acc_col)
         diffs.append(d)
         text = (f"  seed {seed}: A {a['run']}@{a['step']} (KL {a['kl']:.4f} ± {a['kl_se']:.4f}, "
-                f"acc {a[acc_col]:.4f})  B {b['run']}@{b['step']} (KL {b['kl']:.4f} ± "
-                f"{b['kl_se']:.4f}, acc {b[acc_col]:.4f})  diff {d:+.4f} ± {se:.4f} (test set)")
+                f"Tr {_fmt(a.get('trace'))}, acc {a[acc_col]:.4f})  B {b['run']}@{b['step']} "
+                f"(KL {b['kl']:.4f} ± {b['kl_se']:.4f}, Tr {_fmt(b.get('trace'))}, acc "
+                f"{b[acc_col]:.4f})  diff {d:+.4f} ± {se:.4f} (test set)")
         if margin is not None:
             text += f"; |dKL| = {margin:.1f} se ({'matched' if margin < 2 else 'NOT matched'}"
             if margin >= 2:     # which way the remaining loss difference pushes the accuracy
