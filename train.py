@@ -1057,7 +1057,10 @@ def branch_args(merged, args, given, ckpt):
 
 
 def main(argv=None):
-    train(parse_args(argv))
+    try:
+        train(parse_args(argv))
+    except KeyboardInterrupt:       # before the first update: the loop saves after it
+        raise SystemExit("train.py: interrupted before training started; nothing to save")
 
 
 if __name__ == "__main__":
