@@ -41,6 +41,7 @@ progress goes to stderr.
 import argparse
 import copy
 import csv
+import fnmatch
 import json
 import math
 import os
@@ -472,8 +473,9 @@ def correlations(table, acc_col):
 
 def compare(table, acc_col, spec_a, spec_b):
     """Paired comparison of checkpoints A and B of the same training seed (README, E1):
-    spec GROUP@STEP, STEP an integer or `last`; B's STEP may be `kl`: the checkpoint of B with
-    the KL nearest to A's (the matched-KL rule of match_kl). Returns printable lines."""
+    spec GROUP@STEP, STEP an integer or `last`, GROUP a group name or a glob over them; B's STEP
+    may be `kl`: the checkpoint of B with the KL nearest to A's (the matched-KL rule of
+    match_kl). Returns printable lines."""
     def parse(spec):
         group, _, step = spec.rpartition("@")
         if not group or not (step.isdigit() or step in ("last", "kl")):
@@ -483,11 +485,12 @@ def compare(table, acc_col, spec_a, spec_b):
     (ga, sa), (gb, sb) = parse(spec_a), parse(spec_b)
     if sa == "kl":
         raise ValueError(f"--compare {spec_a!r}: only the second checkpoint can be matched by KL")
-    by_seed = {}
+    by_seed = {}                      # (side, seed) -> rows; a GROUP may be a glob: e1d-*
     for r in table:
-        if r["group"] in (ga, gb) and _finite(r.get(acc_col)):
-            by_seed.setdefault((r["group"], r["seed"]), []).append(r)
-    seeds = sorted({s for g, s in by_seed if g == ga} & {s for g, s in by_seed if g == gb},
+        for side, pattern in (("A", ga), ("B", gb)):
+            if fnmatch.fnmatchcase(r["group"], pattern) and _finite(r.get(acc_col)):
+                by_seed.setdefault((side, r["seed"]), []).append(r)
+    seeds = sorted({s for g, s in by_seed if g == "A"} & {s for g, s in by_seed if g == "B"},
                    key=lambda s: -1 if s is None else s)
     if not seeds:
         raise ValueError(f"--compare: no training seed has probed checkpoints in both {ga!r} and "
@@ -495,7 +498,7 @@ def compare(table, acc_col, spec_a, spec_b):
     lines, diffs, next_diffs = [f"paired comparison of {acc_col}: B = {spec_b} minus "
                                 f"A = {spec_a}, on the same test sentences"], [], []
     for seed in seeds:
-        rows_a, rows_b = by_seed[(ga, seed)], by_seed[(gb, seed)]
+        rows_a, rows_b = by_seed[("A", seed)], by_seed[("B", seed)]
         a = pick(rows_a, sa, spec_a)
         ranked, margin = ([pick(rows_b, sb, spec_b)], None) if sb != "kl" else match_kl(
             a["kl"], a["kl_se"], [r for r in rows_b if _finite(r.get("kl_se"))])

@@ -2093,6 +2093,8 @@ def test_probe_summary_paired_comparison_across_seeds(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "B e1-s0@2000" in out and "|dKL| = 0.1 se (matched)" in out
     assert "next-best B@1000" in out
+    glob = probe.compare(table, "linear_C_acc", "slow@last", "e*@kl")       # groups by glob
+    assert glob[1:] == probe.compare(table, "linear_C_acc", "slow@last", "e1@kl")[1:]
     with pytest.raises(ValueError, match="no training seed"):
         probe.compare(table, "linear_C_acc", "e1@last", "nope@last")
     with pytest.raises(ValueError, match="no probed checkpoint at step 7"):
