@@ -37,7 +37,9 @@ transformers at 30,522 tokens and 128 positions (BERT's vocabulary, which the au
 code uses; at it, the shapes below give the sizes the paper quotes: 2M, 4M, 9M, 41M, 235M,
 730M), LSTMs at 202 tokens (the paper's HMM: 200 words + 2 special tokens). On a small synthetic
 vocabulary a transformer is much smaller: "tf-2m" (d=64, 2 layers) has about 0.1M parameters on
-a 12-word language and is the CPU size; "lstm-62k" is the CPU LSTM.
+a 12-word language and is the CPU size; "tf-1m" (d=32: one head of width 32, 2 layers) has
+26,650 on train.py's "pcfg-small" and saturates it on one CPU thread in about 6 minutes;
+"lstm-62k" is the CPU LSTM.
 
 grow() (App. B.1) embeds a model in one with k times the heads/features/MLP units (exact for
 both LayerNorm placements and for the LSTM) and extra transformer blocks on top (exact for both
@@ -72,7 +74,8 @@ class ModelConfig:
     n_layers: int = 2  # transformer blocks, or stacked bidirectional LSTM layers
     n_heads: int = 1  # transformer only: d = head_dim * n_heads
     ln: str = "pre"  # transformer only: "post" (paper's text) | "pre" (authors' released code)
-    dropout: float = 0.0  # dropout on embeddings, attention, residual branches / between LSTM layers
+    # dropout on embeddings, attention, residual branches / between LSTM layers
+    dropout: float = 0.0
     lstm_hidden: int = 128  # LSTM only: hidden size H per direction; features have d = 2H
     # transformer only: width of each head. The paper's (BERT's) 64 everywhere; narrower heads
     # only make the CPU-scale models (d = 32) that saturate a small PCFG in minutes (§2.2).
@@ -89,8 +92,9 @@ class ModelConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"ModelConfig: {name} must be an integer >= 1, got {v!r}")
         if not (isinstance(self.pad_id, int) and 0 <= self.pad_id < self.vocab_size):
-            raise ValueError(f"ModelConfig: pad_id must be an id in [0, vocab_size={self.vocab_size}),"
-                             f" got {self.pad_id!r} (data.py: pad_id(V) = V + 1, vocab_size = V + 2)")
+            raise ValueError(f"ModelConfig: pad_id must be an id in "
+                             f"[0, vocab_size={self.vocab_size}), got {self.pad_id!r} "
+                             f"(data.py: pad_id(V) = V + 1, vocab_size = V + 2)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"ModelConfig: dropout must be in [0, 1), got {self.dropout!r}")
 
@@ -109,7 +113,8 @@ class SelfAttention(nn.Module):
         super().__init__()
         d = config.d
         self.n_heads, self.head_dim, self.dropout = config.n_heads, config.head_dim, config.dropout
-        self.qkv = nn.Linear(d, 3 * d)  # rows: [queries; keys; values], head j at rows hd*j..hd*j+hd-1
+        # rows: [queries; keys; values], head j at rows hd*j..hd*j+hd-1
+        self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)  # the output matrix O
         self.resid_drop = nn.Dropout(config.dropout)
 
@@ -169,7 +174,8 @@ class Transformer(nn.Module):
         self.ln_emb = nn.LayerNorm(d, eps=LN_EPS)  # h_0 = LN(embedding)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.ln_f = nn.LayerNorm(d, eps=LN_EPS) if config.ln == "pre" else None  # pre-LN's final LayerNorm
+        # pre-LN's final LayerNorm
+        self.ln_f = nn.LayerNorm(d, eps=LN_EPS) if config.ln == "pre" else None
         self.out_bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.apply(_init_weights)
 
@@ -190,7 +196,8 @@ class Transformer(nn.Module):
 # ------------------------------------------------------------------------------------- LSTM ---
 
 class LSTM(nn.Module):
-    """Bidirectional LSTM masked LM (the paper's HMM models, §2.2); layout in the module docstring."""
+    """Bidirectional LSTM masked LM (the paper's HMM models, §2.2); layout in the module
+    docstring."""
 
     def __init__(self, config):
         super().__init__()
@@ -212,9 +219,11 @@ class LSTM(nn.Module):
         if not isinstance(self.lstm, nn.LSTM) or bool(keep.all()):
             return self.lstm(x)[0]
         lengths = keep.sum(1).cpu()  # padding is a suffix
-        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                   enforce_sorted=False)
         out = self.lstm(packed)[0]
-        return nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=tokens.shape[1])[0]
+        return nn.utils.rnn.pad_packed_sequence(out, batch_first=True,
+                                                total_length=tokens.shape[1])[0]
 
     def forward(self, tokens):
         """Logits [B, T, vocab_size]."""
@@ -261,6 +270,7 @@ REFERENCE = {"transformer": dict(vocab_size=30522, pad_id=0, max_len=128),
 
 PRESETS = {
     # transformers at the sizes the paper quotes; "tf-2m" is also the CPU size
+    "tf-1m": dict(arch="transformer", n_heads=1, n_layers=2, head_dim=32),  # CPU: "pcfg-small"
     "tf-2m": dict(arch="transformer", n_heads=1, n_layers=2),
     "tf-4m": dict(arch="transformer", n_heads=2, n_layers=1),
     "tf-9m": dict(arch="transformer", n_heads=4, n_layers=1),
@@ -313,7 +323,8 @@ def grow(model, width=2, extra_layers=0, seed=0):
     other parameters. New blocks are freshly initialised from `seed` (so they can train) with
     those two projections zeroed, and go before the final LayerNorm.
 
-    Depth, post-LN. Write N(x) = P x / sqrt(var(x) + eps) (P centres x), so LN(x) = gain*N(x) + bias.
+    Depth, post-LN. Write N(x) = P x / sqrt(var(x) + eps) (P centres x), so
+    LN(x) = gain*N(x) + bias.
     (a) The paper's claim is not exact: zero-filled blocks on top of the unchanged model change
     its function (zero_filled_blocks()), and so does every other post-LN block, over the
     continuum of inputs the last LayerNorm can receive (the theorem); on a model's finite set of
@@ -333,7 +344,8 @@ def grow(model, width=2, extra_layers=0, seed=0):
       analytic functions equal on [0, 1) are equal on R, and a bounded affine function is
       constant, so W_E (gamma * u) = 0.  []
     (b) Exact construction, re-parametrising the old last block (so (a) does not apply). For a
-      scalar c > 0 and var(y) = a:  N(c P y / sqrt(a + e)) = c / sqrt(c^2 + eps) * P y / sqrt(a + e')
+      scalar c > 0 and var(y) = a:
+          N(c P y / sqrt(a + e)) = c / sqrt(c^2 + eps) * P y / sqrt(a + e')
       with e' = eps * e / (c^2 + eps): a LayerNorm of a scalar-gain, bias-free LayerNorm output
       is again a normalisation of y, with a smaller effective eps. So (_deepen_post_ln):
       scale the old last block's y = v + MLP(v) by s = 1/2 (its first LayerNorm's gain and bias
@@ -353,7 +365,8 @@ def grow(model, width=2, extra_layers=0, seed=0):
     function of them, so as in (a) the two cannot agree on any open set of those outputs.
     """
     config = model.config
-    if not (isinstance(width, int) and width >= 1 and isinstance(extra_layers, int) and extra_layers >= 0):
+    if not (isinstance(width, int) and width >= 1
+            and isinstance(extra_layers, int) and extra_layers >= 0):
         raise ValueError(f"grow: width must be an integer >= 1 and extra_layers an integer >= 0, "
                          f"got width={width!r}, extra_layers={extra_layers!r}")
     if extra_layers and config.arch == "lstm":
@@ -422,7 +435,8 @@ def _widen_transformer(state, k, config):
 
 
 def _widen_lstm(state, k):
-    """Widened state: embedding, hidden units, cells (per gate, per direction) replicated k times."""
+    """Widened state: embedding, hidden units, cells (per gate, per direction) replicated k
+    times."""
     new = {}
     for name, p in state.items():
         if name == "embed.weight":
@@ -454,7 +468,8 @@ def _deepen_post_ln(state, n_layers, extra_layers, s=0.5):
     for name in ("ln_1.weight", "ln_1.bias", "mlp.proj.weight", "mlp.proj.bias"):
         state[old + name] = state[old + name] * s  # y = v + MLP(v) becomes s * y
     state[old + "mlp.fc.weight"] = state[old + "mlp.fc.weight"] / s
-    state[old + "ln_2.weight"], state[old + "ln_2.bias"] = torch.full_like(gamma, c), torch.zeros_like(beta)
+    state[old + "ln_2.weight"], state[old + "ln_2.bias"] = (
+        torch.full_like(gamma, c), torch.zeros_like(beta))
     for i in range(n_layers, n_layers + extra_layers):
         for ln in ("ln_1", "ln_2"):
             state[f"blocks.{i}.{ln}.weight"] = torch.full_like(gamma, g)
@@ -482,8 +497,9 @@ def zero_filled_blocks(model, extra_layers=1):
 
 # -------------------------------------------------------------------------------------- CLI ---
 
+# (arch, ln, width, extra_layers)
 GROW_CHECKS = [("transformer", "pre", 2, 2), ("transformer", "post", 2, 2),
-               ("transformer", "post", 3, 0), ("lstm", "pre", 2, 0)]  # (arch, ln, width, extra_layers)
+               ("transformer", "post", 3, 0), ("lstm", "pre", 2, 0)]
 
 
 LN_DRAWS = {"LN 1, 0": (0.0, 0.0), "LN 1±0.1, ±0.05": (0.1, 0.05), "LN ~N(0, 1)": None}
@@ -538,8 +554,8 @@ def main(argv=None):
         return
     for name in PRESETS:
         ref = REFERENCE[PRESETS[name]["arch"]]
-        print(f"{name:10s} {preset_n_params(name):>13,d} parameters at vocab_size={ref['vocab_size']}"
-              f", max_len={ref['max_len']}")
+        print(f"{name:10s} {preset_n_params(name):>13,d} parameters "
+              f"at vocab_size={ref['vocab_size']}, max_len={ref['max_len']}")
 
 
 if __name__ == "__main__":

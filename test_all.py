@@ -325,6 +325,83 @@ def test_data_pcfg_tasks():
             assert brute.sum() > 0 and (y[i] == brute.argmax() or top2[0] - top2[1] < 1e-12)
 
 
+def _data_parses(g, x, i, j, a):
+    """Every parse of x[i:j] from symbol a, enumerated one by one: (probability, its
+    constituents as (start, end, symbol) triples)."""
+    B, L, S = g.binary.tolist(), g.lexical.tolist(), g.n_symbols
+    if j - i == 1:
+        if L[a][x[i]]:
+            yield L[a][x[i]], ((i, j, a),)
+        return
+    for k in range(i + 1, j):
+        for b in range(S):
+            for c in range(S):
+                if B[a][b][c]:
+                    for pl, cl in _data_parses(g, x, i, k, b):
+                        for pr, cr in _data_parses(g, x, k, j, c):
+                            yield B[a][b][c] * pl * pr, ((i, j, a),) + cl + cr
+
+
+def _data_brute_constituent_posterior(g, x, start, width):
+    """Pr(s spans exactly x[start:start+width] | x), summed over the enumerated parses."""
+    post, px = torch.zeros(g.n_symbols, dtype=torch.float64), 0.0
+    for a in range(g.n_symbols):
+        for p, constituents in _data_parses(g, x, 0, len(x), a):
+            p *= g.root[a].item()
+            px += p
+            for i, j, s in constituents:
+                if (i, j) == (start, start + width):
+                    post[s] += p
+    return post / px
+
+
+def test_data_pcfg_constituent_posterior_equals_enumerated_parses():
+    g = _data_tiny_pcfg()
+    tokens, lengths = _data_batch(_DATA_XS, 6, 3)
+    for start in range(6):
+        for width in range(1, 7 - start):
+            post = g.constituent_posterior(tokens, lengths, start, width)
+            for i, x in enumerate(_DATA_XS):
+                if start + width > len(x):
+                    assert post[i].abs().max() == 0  # the span is past the sentence's end
+                    continue
+                brute = _data_brute_constituent_posterior(g, x, start, width)
+                assert torch.allclose(post[i], brute, atol=1e-12, rtol=0)
+
+
+def test_data_pcfg_span_task_labels_are_bayes_by_enumeration():
+    """A span task's label is the argmax of the posterior over the enumerated parses, and its
+    sentences are those in which the span can be a constituent."""
+    g = _data_tiny_pcfg()
+    g = data.PCFG(g.root, g.binary, g.lexical, max_len=6, span_tasks={"D": (1, 2)})
+    assert g.tasks == ["A", "B", "C", "D"] and g.n_classes("D") == 3
+    t, l, y = g.task_data("D", 40, seed=0)
+    assert len(torch.unique(y)) > 1
+    for i in range(40):
+        brute = _data_brute_constituent_posterior(g, t[i, :l[i]].tolist(), 1, 2)
+        top2 = brute.topk(2).values
+        assert brute.sum() > 0 and (y[i] == brute.argmax() or top2[0] - top2[1] < 1e-12)
+    h = data.language_from_spec(json.loads(json.dumps(g.spec())))   # as checkpoints store it
+    assert h.span_tasks == {"D": (1, 2)} and torch.equal(h.task_data("D", 40, seed=0)[2], y)
+    assert "span_tasks" not in _data_tiny_pcfg().spec()   # specs without them are unchanged
+    with pytest.raises(ValueError, match=r"unknown task 'E' for PCFG\(symbols=3.*'D'\]"):
+        g.task_data("E", 5)
+    for bad in ({"D": (5, 2)}, {"D": (0, 0)}, {"A": (0, 2)}, {"D": (1,)}, {"D": (1.0, 2)}):
+        with pytest.raises(ValueError, match="start, width"):
+            data.PCFG(g.root, g.binary, g.lexical, max_len=6, span_tasks=bad)
+
+
+def test_data_pcfg_small_task_d_lies_below_the_root():
+    """On the CPU-scale PCFG tasks A, B, C all name the root (sentences <= 8 words) while D,
+    the symbol of words 3-4, is a level-2 symbol; the CLI builds it by name."""
+    g = data.build_language("pcfg-small")
+    assert g.tasks == ["A", "B", "C", "D"] and g.max_len == 8
+    roots = set(g.root.nonzero()[:, 0].tolist())
+    assert set(g.task_data("A", 200)[2].tolist()) <= roots
+    assert set(g.task_data("C", 200)[2].tolist()) <= roots
+    assert not set(g.task_data("D", 200)[2].tolist()) & roots
+
+
 def test_data_spec_round_trip(tmp_path):
     for g in (data.PCFG.random(), data.PCFG.from_rules(_DATA_RULES)):
         path = tmp_path / "spec.pt"
@@ -1028,6 +1105,53 @@ def test_model_bad_inputs_and_presets():
         model.config_from_preset("tf-3m", vocab_size=14, pad_id=13, max_len=12)
     c = model.config_from_preset("tf-2m", vocab_size=14, pad_id=13, max_len=12, ln="post", dropout=0.1)
     assert (c.n_heads, c.n_layers, c.ln, c.dropout) == (1, 2, "post", 0.1)
+
+
+def _model_reference_attention(attn, h, keep):
+    """SelfAttention by hand, one head at a time: head j reads rows j*hd..(j+1)*hd-1 of Q, K, V."""
+    d, hd = h.shape[-1], attn.head_dim
+    q, k, v = (h @ w.T + b for w, b in zip(attn.qkv.weight.split(d), attn.qkv.bias.split(d)))
+    heads = []
+    for j in range(attn.n_heads):
+        sl = slice(j * hd, (j + 1) * hd)
+        scores = q[..., sl] @ k[..., sl].transpose(1, 2) / math.sqrt(hd)
+        scores = scores.masked_fill(~keep[:, None, :], float("-inf"))
+        heads.append(scores.softmax(-1) @ v[..., sl])
+    return attn.proj(torch.cat(heads, -1))
+
+
+@pytest.mark.parametrize("ln", ["pre", "post"])
+def test_model_head_dim_narrow_transformer(ln):
+    """head_dim sets each head's width (d = head_dim * n_heads); grow() keeps it and stays exact;
+    a checkpoint's model_config written before the field existed rebuilds at the paper's 64."""
+    config = _model_config("transformer", ln, head_dim=8)
+    net = _model_randomise(model.build(config), seed=4)
+    tokens, lengths = _model_tokens()
+    assert config.d == 16 and net(tokens).shape == (6, 12, _MODEL_V)
+    keep = tokens != _MODEL_PAD
+    h = torch.randn(6, 12, 16, dtype=torch.float64)
+    attn = net.blocks[0].attn
+    assert (attn(h, keep) - _model_reference_attention(attn, h, keep)).abs().max() <= 1e-10
+    V, T, d, L = _MODEL_V, 12, 16, 2
+    assert model.n_params(net) == (V + T + 2) * d + L * (12 * d * d + 13 * d) + V + \
+        (2 * d if ln == "pre" else 0)
+    big = model.grow(net, width=2, extra_layers=1)
+    assert (big.config.head_dim, big.config.n_heads, big.config.d) == (8, 4, 32)
+    assert (big(tokens) - net(tokens)).abs().max() <= 1e-10
+    old = {k: v for k, v in dataclasses.asdict(_model_config("transformer", ln)).items()
+           if k != "head_dim"}
+    assert model.ModelConfig(**old).head_dim == model.HEAD_DIM == 64
+    model.build(model.ModelConfig(**old)).load_state_dict(
+        model.build(_model_config("transformer", ln)).state_dict())
+    with pytest.raises(ValueError, match="head_dim"):
+        _model_config(head_dim=0)
+
+
+def test_model_cpu_preset_on_small_pcfg():
+    """tf-1m (d = 32) is the 26,650-parameter model that saturates pcfg-small on one CPU."""
+    lang = train.make_language("pcfg-small", 0)
+    net = train.build_model(train.parse_args(["--lang", "pcfg-small", "--preset", "tf-1m"]), lang)
+    assert net.config.d == 32 and model.n_params(net) == 26650
 
 
 def _model_size_from_name(name):
