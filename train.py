@@ -72,7 +72,7 @@ import model
 
 # Named languages. `--lang` also accepts a JSON file holding a language's spec() (data.py).
 LANGUAGES = {
-    # the default: V=50, 20 states in 2 blocks, T=16 (the quick study of the issues; entropy ~2.9)
+    # the default: V=50, 20 states in 2 blocks, T=16 (entropy 2.8665 nats on the eval set)
     "hmm-small": lambda seed: data.HMM.random(n_states=20, vocab_size=50, n_blocks=2,
                                               length=16, seed=seed),
     "hmm": lambda seed: data.HMM.random(seed=seed),          # the paper's: 100 states, V=200
@@ -641,7 +641,7 @@ class Run:
     device: torch.device
     task: tuple = None            # adversarial: (tokens, labels, n_classes) of the task pool
     step: int = 0
-    wall0: float = 0.0            # seconds of earlier sessions of this run (resumes add up)
+    wall0: float = 0.0            # seconds this run ran before its last resume
     window: LossWindow = dataclasses.field(default_factory=LossWindow)
     t_start: float = dataclasses.field(default_factory=time.time)
     t_window: float = dataclasses.field(default_factory=time.time)
