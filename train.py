@@ -880,24 +880,23 @@ def parse_args(argv=None):
     stored in the checkpoint with only the flags that may change replaced (see merge_stored)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " The module "
                                 "docstring (python -m pydoc train) explains every option.",
-                                allow_abbrev=False)    # so that given_flags sees every flag
+                                allow_abbrev=False,    # so that given_flags sees every flag
+                                formatter_class=lambda prog: argparse.HelpFormatter(
+                                    prog, max_help_position=26, width=100))
     a = p.add_argument
-    a("--lang", default=None, help=f"language: one of {', '.join(LANGUAGES)}, or a .json "
-      "file holding a data.py spec() (default hmm-small: V=50, 20 states, T=16)")
+    a("--lang", default=None, help=f"{', '.join(LANGUAGES)} (default hmm-small) or a "
+      "spec .json")
     a("--lang-seed", type=int, default=None, help="seed of the random language (default 0)")
-    a("--preset", default=None, help=f"model size preset: {', '.join(model.PRESETS)} "
-      "(default lstm-62k, the tiny CPU LSTM)")
+    a("--preset", default=None, help="model size preset (python model.py lists them; "
+      "default lstm-62k)")
     a("--n-layers", type=int, default=None,
       help="override the preset's number of transformer blocks / stacked LSTM layers")
     a("--n-heads", type=int, default=None,
-      help="override the preset's attention heads (transformer; width d = 64 * heads)")
+      help="override the preset's attention heads (d = head_dim * heads)")
     a("--lstm-hidden", type=int, default=None,
       help="override the preset's LSTM hidden size per direction (LSTM; d = 2 * hidden)")
     a("--grow-from", default=None, metavar="CKPT",
-      help="start from checkpoint CKPT grown by model.grow (App. B.1: same function, larger "
-      "model): written as step 0 of the new run with its exact eval row, then trained for "
-      "--steps (0: only write it) with a fresh optimizer. Model size and language come from "
-      "CKPT, so --lang, --lang-seed, --preset and the size overrides are not allowed with it")
+      help="start from model.grow(CKPT's model) as step 0 (App. B.1.3), fresh optimizer")
     a("--grow-width", type=int, default=None,
       help="with --grow-from: width factor k (heads / LSTM hidden units times k; default 2)")
     a("--grow-layers", type=int, default=None,
@@ -906,24 +905,22 @@ def parse_args(argv=None):
     a("--steps", type=int, default=3000, help="number of updates (default 3000); with --resume: "
       "a larger number extends a --schedule const run")
     a("--batch", type=int, default=256, help="global batch in sentences, split over processes")
-    a("--lr", type=float, default=1e-2, help="peak learning rate (default 1e-2, tuned for the "
-      "default tiny CPU model; the paper's 1e-3 (AdamW, SGD) is for its 2M-730M models)")
-    a("--warmup", type=float, default=None, help="warm-up as a fraction of the first --steps "
-      "(default 0.06 adamw/adversarial, 0.12 sgd); fixed in steps at the run's start")
+    a("--lr", type=float, default=1e-2, help="peak lr (default 1e-2 for the CPU models; "
+      "the paper's 1e-3)")
+    a("--warmup", type=float, default=None, help="warm-up fraction of the first --steps "
+      "(default 0.06; sgd 0.12)")
     a("--schedule", choices=("linear", "const"), default=None,
       help="after warmup: linear decay to 0, or constant (default linear; const for sgd)")
     a("--decay-steps", type=int, default=0, help="with --schedule const: the last N updates "
-      "decay linearly to 0 (warmup-stable-decay; default 0: no decay)")
+      "decay linearly to 0")
     a("--branch-from", default=None, metavar="CKPT",
-      help="a decay branch: continue CKPT's run (model, optimizer, data stream) from its step S "
-      "as a new run with the lr decayed to 0 over --decay-steps N more updates (to S + N)")
+      help="a new run continuing CKPT's with the lr decayed to 0 over --decay-steps")
     a("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
     a("--mask-rate", type=float, default=None,
       help="mask this fraction of tokens (App. E: 0.15) instead of one per sentence")
     a("--task", default=None, help="adversarial: downstream task (default: the language's first)")
     a("--adv-lambda", type=float, default=0.03,
-      help="adversarial: weight lambda of -loss_D2 (default 0.03: on the default setup 0.01 "
-      "and 0.03 train (KL 0.054, 0.058 at step 1000), 0.1 stalls at KL 0.82)")
+      help="adversarial: weight of -loss_D2 (default 0.03; 0.1 stalls the MLM on the CPU)")
     a("--adv-alpha", type=float, default=1.0,
       help="adversarial: ridge penalty relative to the mean squared feature norm")
     a("--adv-pool", type=int, default=4096, help="adversarial: downstream training set size")
@@ -936,12 +933,11 @@ def parse_args(argv=None):
     a("--ckpt-every", type=int, default=500, help="checkpoint every k steps (and at the last)")
     a("--name", default=None, help="run name: runs/NAME/ (default LANG-PRESET-ALGO-sSEED)")
     a("--runs", default="runs", help="parent folder of run directories (default runs/)")
-    a("--resume", nargs="?", const="latest", default=None, help="continue runs/NAME (or the "
-      "run of the checkpoint file given) with its stored arguments from its latest checkpoint")
+    a("--resume", nargs="?", const="latest", default=None,
+      help="continue runs/NAME (or a checkpoint file's run) with its stored arguments")
     a("--device", default="cpu", help="cpu (default) or cuda (bf16 autocast)")
     a("--compile", action="store_true", help="torch.compile the model (GPU runs)")
-    a("--threads", type=int, default=1, help="torch threads per process (default 1: measured "
-      "faster and steadier than 2 on a 2-core machine, see README)")
+    a("--threads", type=int, default=1, help="torch threads per process (default 1)")
     args = p.parse_args(argv)
     given = given_flags(p, sys.argv[1:] if argv is None else argv)
     if args.resume is not None and args.branch_from is not None:
