@@ -70,18 +70,6 @@ import model
 
 # ----------------------------------------------------------------------------- config ---
 
-# Named languages. `--lang` also accepts a JSON file holding a language's spec() (data.py).
-LANGUAGES = {
-    # the default: V=50, 20 states in 2 blocks, T=16 (entropy 2.8665 nats on the eval set)
-    "hmm-small": lambda seed: data.HMM.random(n_states=20, vocab_size=50, n_blocks=2,
-                                              length=16, seed=seed),
-    "hmm": lambda seed: data.HMM.random(seed=seed),          # the paper's: 100 states, V=200
-    "pcfg": lambda seed: data.PCFG.random(seed=seed),        # the paper's: 50 symbols, V=200
-    # CPU scale: 10 symbols, V=24, T=8, entropy 2.22; tf-1m reaches KL 0.02 in ~6 min, 1 thread
-    "pcfg-small": lambda seed: data.PCFG.random(seed=seed, **data.PCFG_SMALL),
-    "teacher": lambda seed: data.TeacherLM.random(seed=seed),  # stands in for OPT-generated text
-}
-
 ALGOS = ("adamw", "sgd", "adversarial", "lookup")
 WARMUP = {"adamw": 0.06, "adversarial": 0.06, "sgd": 0.12}     # App. A.3 / App. B.3
 SCHEDULE = {"adamw": "linear", "adversarial": "linear", "sgd": "const"}
@@ -124,14 +112,14 @@ def generator(seed, stream, *keys):
 # --------------------------------------------------------------------- language, data ---
 
 def make_language(name, seed):
-    """The language named `name` (LANGUAGES) or stored as a spec JSON file at path `name`."""
-    if name in LANGUAGES:
-        return LANGUAGES[name](seed)
+    """The language named `name` (data.LANGUAGES) or stored as a spec JSON file at `name`."""
+    if name in data.LANGUAGES:
+        return data.LANGUAGES[name](seed)
     if name.endswith(".json") and os.path.isfile(name):
         with open(name) as f:
             return data.language_from_spec(json.load(f))
     raise SystemExit(f"train.py: unknown language {name!r}; choose one of "
-                     f"{', '.join(LANGUAGES)} or give a .json file holding a language spec()")
+                     f"{', '.join(data.LANGUAGES)} or give a .json file holding a spec()")
 
 
 def make_batch(lang, args, step, rank, n):
@@ -884,7 +872,7 @@ def parse_args(argv=None):
                                 formatter_class=lambda prog: argparse.HelpFormatter(
                                     prog, max_help_position=26, width=100))
     a = p.add_argument
-    a("--lang", default=None, help=f"{', '.join(LANGUAGES)} (default hmm-small) or a "
+    a("--lang", default=None, help=f"{', '.join(data.LANGUAGES)} (default hmm-small) or a "
       "spec .json")
     a("--lang-seed", type=int, default=None, help="seed of the random language (default 0)")
     a("--preset", default=None, help="model size preset (python model.py lists them; "
