@@ -135,11 +135,11 @@ def _loss_closure(model, inputs, positions, targets, batch_size):
     n = len(inputs)
     for s in range(0, n, batch_size):
         sl = slice(s, s + batch_size)
-        yield mlm_loss(model, inputs[sl], positions[sl], targets[sl]) * (len(inputs[sl]) / n)
+        yield pretraining_loss(model, inputs[sl], positions[sl], targets[sl]) * (len(inputs[sl]) / n)
 
 
 def hessian_vector_products(model, inputs, positions, targets, vectors, batch_size=256):
-    """[∇²L v for v in vectors] by double backprop (Pearlmutter), L = mlm_loss, eval mode."""
+    """[∇²L v for v in vectors] by double backprop (Pearlmutter), L = pretraining_loss, eval mode."""
     params = [p for p in model.parameters() if p.requires_grad]
     out = [[torch.zeros_like(p) for p in params] for _ in vectors]
     fnet = vmappable(model)   # FunctionalLSTM: an LSTM with double backward on every device
@@ -180,7 +180,13 @@ def fisher_gap(model, inputs, positions, p_true, n_probes=30, seed=0):
     drops, E Σ_w (p_θ(w) - p*(w)) Tr[∇²z_w], with the true conditional p* [N, V] (data.py) in
     place of sampled labels, so it carries no label noise. The cross-entropy is linear in its
     target, so this is the Hessian of CE(p* - p_θ, θ) with p_θ held fixed (the Fisher parts
-    cancel), traced by Hutchinson; small near saturation, so few probes suffice. (mean, se)."""
+    cancel), traced by Hutchinson; small near saturation, so few probes suffice. (mean, se).
+
+    Measured (`hessian.py --fisher-gap 30`, lstm-62k on hmm-small, seed 0, 100 sentences):
+    +0.083 ± 0.023 at KL 0.065 (trace 6.72), +0.071 ± 0.014 at KL 0.030 (3.80), -0.035 ± 0.007
+    at KL 0.019 (2.88), -0.015 ± 0.003 at a decayed floor (KL 0.011, 2.98), +0.060 ± 0.017 for
+    lr 3e-3 at KL 0.018 (8.90): within 2 % of the trace, smaller than the differences compared.
+    """
     p_model = model_probs(model, inputs, positions).to(p_true.device)
     mean, se, _ = hutchinson_trace(model, inputs, positions, (p_true - p_model).float(),
                                    n_probes=n_probes, seed=seed)
@@ -192,7 +198,7 @@ def exact_hessian(model, inputs, positions, targets, rows_per_pass=64):
     fnet = vmappable(model)
     params = [p for p in fnet.parameters() if p.requires_grad]
     with measuring(fnet):
-        loss = mlm_loss(fnet, inputs, positions, targets)
+        loss = pretraining_loss(fnet, inputs, positions, targets)
         g = torch.cat([x.reshape(-1) for x in torch.autograd.grad(loss, params, create_graph=True)])
         eye, rows = torch.eye(g.numel(), dtype=g.dtype, device=g.device), []
         for s in range(0, g.numel(), rows_per_pass):
@@ -251,7 +257,7 @@ def top_eigenvalue(model, inputs, positions, targets, n_iter=10, seed=0, batch_s
 
 
 def _functional_loss(model, params, rest, inputs, positions, targets):
-    """mlm_loss of `model` evaluated at other parameter values."""
+    """pretraining_loss of `model` evaluated at other parameter values."""
     logp = log_probs_at(lambda x: functional_call(model, (params, rest), (x,)), inputs, positions,
                         n_words(model))
     return _cross_entropy(logp, targets)
@@ -492,8 +498,8 @@ def log_probs_at(net, inputs, positions, V=None):
     return train.mlm_log_probs(row, row.shape[-1] if V is None else V)
 
 
-def mlm_loss(net, inputs, positions, targets):
-    """Pre-training loss at the masked positions, mean over sentences (§2).
+def pretraining_loss(net, inputs, positions, targets):
+    """L(θ) of §3 on these masked sentences: the loss at each masked position, mean over them.
 
     targets [N] long: -log p_θ(x_t | x_-t) of the true word (the checkpoint's loss);
     targets [N, V] float: cross-entropy against a distribution (e.g. the true conditional).
@@ -655,8 +661,8 @@ def _layerwise_sq_norms(fnet, net):
     return one_chunk
 
 
-@torch.no_grad()
 # ----------------------------------------------------------------------------- CLI
+@torch.no_grad()
 def masked_sentences(lang, n, seed=SENTENCE_SEED):
     """n sentences of `lang`, one uniform mask each (data.mask_one): (inputs, targets, positions).
     Fixed seed, so every checkpoint of a run is measured on the same sentences."""
@@ -696,7 +702,7 @@ def measure_checkpoint(path, args):
         mean, sem, _ = hutchinson_trace(*hvp_args, n_probes=args.hutchinson_probes, seed=args.seed)
         row.update(hutchinson_trace=mean, hutchinson_sem=sem)
     with torch.no_grad(), measuring(net):
-        row["loss"] = mlm_loss(net, inputs, positions, targets).item()
+        row["loss"] = pretraining_loss(net, inputs, positions, targets).item()
     row.update(n_sentences=len(inputs), n_samples=args.samples, n_repeats=args.repeats,
                seed=args.seed, sentence_seed=SENTENCE_SEED, hvp_sentences=len(inputs[sub]),
                eig_iters=args.eig_iters, sam_rho=args.sam_rho, n_params=model_lib.n_params(net),
@@ -705,8 +711,9 @@ def measure_checkpoint(path, args):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        usage="python hessian.py CKPT ... [options]", formatter_class=train.ShortHelp,
+        description=__doc__.split("\n\n")[0] + " (python -m pydoc hessian: every option)")
     a = p.add_argument
     a("checkpoints", nargs="*", help="checkpoint files runs/NAME/ckpt_*.pt (train.py)")
 

@@ -203,8 +203,9 @@ def finetune(model, train_split, test_split, n_classes, seed, epochs=FT_EPOCHS, 
         n = len(tok)
         total = epochs * math.ceil(n / batch_size)
         warm = max(1, min(warmup, total // 10))
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (
-            (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm))))
+        schedule = argparse.Namespace(lr=1.0, warmup_steps=warm, steps=total,
+                                      schedule="linear", decay_steps=0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: train.lr_at(s, schedule))
         for _ in range(epochs):
             perm = torch.randperm(n, generator=g)
             for i in range(0, n, batch_size):
@@ -633,8 +634,10 @@ def plot_summary(table, path):
 
 # ----------------------------------------------------------------------------- CLI
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        usage="python probe.py CKPT ... [options] | --summary RUN_DIR ...",
+        formatter_class=train.ShortHelp,
+        description=__doc__.split("\n\n")[0] + " (python -m pydoc probe: every option)")
     a = p.add_argument
     a("paths", nargs="+", help="checkpoints runs/NAME/ckpt_*.pt to probe; with --summary, run "
       "directories")

@@ -1871,7 +1871,7 @@ def test_hessian_top_eigenvalue_and_sam_against_full_hessian():
     # SAM: L(θ + ρ ĝ) - L(θ) = ρ‖g‖ + ½ρ² ĝᵀHĝ + O(ρ³), ĝ = g/‖g‖
     params = [p for p in net.parameters() if p.requires_grad]
     g = torch.cat([x.reshape(-1) for x in torch.autograd.grad(
-        hessian.mlm_loss(net, inputs, positions, targets), params)]).double()
+        hessian.pretraining_loss(net, inputs, positions, targets), params)]).double()
     rho, unit = 1e-2, g / g.norm()
     taylor = rho * g.norm() + 0.5 * rho ** 2 * unit @ H @ unit
     sam = hessian.sam_sharpness(net, inputs, positions, targets, rho=rho)

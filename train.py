@@ -68,7 +68,7 @@ import torch.nn.functional as F
 import data
 import model
 
-# ----------------------------------------------------------------------------- config ---
+# ------------------------------------------------------------------------------ configuration ---
 
 ALGOS = ("adamw", "sgd", "adversarial", "lookup")
 WARMUP = {"adamw": 0.06, "adversarial": 0.06, "sgd": 0.12}     # App. A.3 / App. B.3
@@ -86,30 +86,129 @@ RUNTIME_ARGS = {"threads", "device", "compile"}
 STORED_DEFAULTS = {"decay_steps": 0, "branch_from": None}
 
 # Independent random streams, each a function of (seed, step, rank): see stream_seed().
-STREAMS = {"init": 1, "data": 2, "mask": 3, "dropout": 4, "task": 6, "adv": 7,
-           "eval": 8, "proj": 9}
+STREAMS = {"init": 1, "data": 2, "mask": 3, "task": 6, "adv": 7, "eval": 8, "proj": 9}
 ADV_PROJ_DIM = 512    # the adversary's projection: probe.PROJ_DIM, the evaluated probe's
 EVAL_SEED = 20230401  # the eval set depends on the language only, so runs are comparable
 LOOKUP_TEACHER_EVAL_N = 5  # eval sentences for the teacher's lookup table (~1 min: write_lookup)
 
 
-# ------------------------------------------------------------------------ randomness ---
+class ShortHelp(argparse.HelpFormatter):
+    """--help on one screen: one line per flag, values shown as N (integer), X (number), S."""
 
-def stream_seed(seed, stream, *keys):
-    """A 63-bit seed for random stream `stream` at (seed, *keys), e.g. (seed, step, rank).
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=24, width=100)
 
-    Seeding every step's data, mask and dropout from the step number makes the run a pure
-    function of its arguments: resuming needs no sampler state, and ranks never collide."""
-    ss = np.random.SeedSequence([int(seed), STREAMS[stream], *[int(k) for k in keys]])
-    return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
-
-
-def generator(seed, stream, *keys):
-    """A CPU torch.Generator for stream_seed(seed, stream, *keys)."""
-    return torch.Generator().manual_seed(stream_seed(seed, stream, *keys))
+    def _get_default_metavar_for_optional(self, action):
+        return {int: "N", float: "X"}.get(action.type, "S")
 
 
-# --------------------------------------------------------------------- language, data ---
+def parse_args(argv=None):
+    """The run's arguments: the command line, or, with --resume / --branch-from, the arguments
+    stored in the checkpoint with only the flags that may change replaced (see merge_stored)."""
+    p = argparse.ArgumentParser(usage="python train.py [options]  (python -m pydoc train "
+                                "explains each)", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False,    # so that given_flags sees every flag
+                                formatter_class=ShortHelp)
+    a = p.add_argument
+    a("--lang", default="hmm-small",
+      help=f"{', '.join(data.LANGUAGES)} or spec.json (default hmm-small)")
+    a("--lang-seed", type=int, default=0, help="seed of the random language (default 0)")
+    a("--preset", default="lstm-62k", help="model size preset (python model.py lists them; "
+      "default lstm-62k)")
+    a("--n-layers", type=int, default=None,
+      help="override the preset's number of transformer blocks / stacked LSTM layers")
+    a("--n-heads", type=int, default=None,
+      help="override the preset's attention heads (d = head_dim * heads)")
+    a("--lstm-hidden", type=int, default=None,
+      help="override the preset's LSTM hidden size per direction (LSTM; d = 2 * hidden)")
+    a("--grow-from", default=None, metavar="CKPT",
+      help="start from model.grow(CKPT's model) as step 0 (App. B.1.3), fresh optimizer")
+    a("--grow-width", type=int, default=2,
+      help="with --grow-from: width factor (heads / LSTM units times N; default 2)")
+    a("--grow-layers", type=int, default=0,
+      help="with --grow-from: transformer blocks added on top (default 0)")
+    a("--algo", default="adamw", choices=ALGOS, metavar="S", help=f"{', '.join(ALGOS)}")
+    a("--steps", type=int, default=3000, help="number of updates (default 3000); with --resume: "
+      "extends a const run")
+    a("--batch", type=int, default=256, help="global batch in sentences, split over processes")
+    a("--lr", type=float, default=1e-2, help="peak lr (default 1e-2 for the CPU models; "
+      "the paper's 1e-3)")
+    a("--warmup", type=float, default=None, help="warm-up fraction of the first --steps "
+      "(default 0.06; sgd 0.12)")
+    a("--schedule", choices=("linear", "const"), default=None, metavar="S",
+      help="after warm-up: linear (to 0; default) or const (default for sgd)")
+    a("--decay-steps", type=int, default=0, help="with --schedule const: the last N updates "
+      "decay linearly to 0")
+    a("--branch-from", default=None, metavar="CKPT",
+      help="a new run continuing CKPT's with the lr decayed to 0 over --decay-steps")
+    a("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
+    a("--mask-rate", type=float, default=None,
+      help="mask this fraction of tokens (App. E: 0.15) instead of one per sentence")
+    a("--task", default=None, help="adversarial: downstream task (default: the language's first)")
+    a("--adv-lambda", type=float, default=0.03,
+      help="adversarial: weight of -loss_D2 (default 0.03)")
+    a("--adv-alpha", type=float, default=1.0,
+      help="adversarial: ridge penalty relative to the mean squared feature norm")
+    a("--adv-pool", type=int, default=4096, help="adversarial: downstream training set size")
+    a("--adv-n1", type=int, default=256, help="adversarial: |D1| (head fitted on it) per step")
+    a("--adv-n2", type=int, default=256, help="adversarial: |D2| (head scored on it) per step")
+    a("--seed", type=int, default=0, help="training seed: init, data order, masks")
+    a("--eval-n", type=int, default=1000, help="eval sentences (each masked at every position)")
+    a("--eval-every", type=int, default=250, help="evaluate exactly every k steps")
+    a("--log-every", type=int, default=50, help="write a training metrics row every k steps")
+    a("--ckpt-every", type=int, default=500, help="checkpoint every k steps (and at the last)")
+    a("--name", default=None, help="run name: runs/NAME/ (default LANG-PRESET-ALGO-sSEED)")
+    a("--runs", default="runs", help="parent folder of run directories (default runs/)")
+    a("--resume", nargs="?", const="latest", default=None,
+      help="continue runs/NAME (or a checkpoint file's run) with its stored arguments")
+    a("--device", default="cpu", help="cpu (default) or cuda (bf16 autocast)")
+    a("--compile", action="store_true", help="torch.compile the model (GPU runs)")
+    a("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    args = p.parse_args(argv)
+    given = given_flags(p, sys.argv[1:] if argv is None else argv)
+    if args.resume is not None and args.branch_from is not None:
+        p.error("--resume continues a run in its own folder; --branch-from starts a new one: "
+                "give one of them")
+    if args.resume is not None or args.branch_from is not None:
+        return merge_stored(args, given)
+    grow_flags = [f for f in ("grow_width", "grow_layers") if f in given]
+    if args.grow_from is None and grow_flags:
+        p.error(f"--{grow_flags[0].replace('_', '-')} needs --grow-from CKPT")
+    clash = [f for f in ("lang", "lang_seed", "preset", *SIZE_OVERRIDES) if f in given]
+    if args.grow_from is not None and clash:
+        p.error(f"--{clash[0].replace('_', '-')} cannot be combined with --grow-from: the "
+                f"grown model's language and size come from the checkpoint (and "
+                f"--grow-width/-layers)")
+    return fill_defaults(args)
+
+
+def fill_defaults(args):
+    """The defaults that depend on other flags: --algo's warm-up and schedule, the warm-up in
+    steps (fixed at the run's start, so extending a run keeps it) and the run's name."""
+    if args.grow_from is not None:         # language and model come from the checkpoint
+        args.lang = args.lang_seed = args.preset = None
+    if args.warmup is None:
+        args.warmup = WARMUP.get(args.algo, 0.0)
+    if args.schedule is None:
+        args.schedule = SCHEDULE.get(args.algo, "const")
+    args.warmup_steps = max(1, round(args.warmup * args.steps))
+    if args.name is None and args.grow_from is None:
+        size = "".join(f"-{tag}{getattr(args, k)}" for k, tag in SIZE_OVERRIDES.items()
+                       if getattr(args, k) is not None)
+        args.name = (f"{os.path.splitext(os.path.basename(args.lang))[0]}-{args.preset}{size}-"
+                     f"{args.algo}-s{args.seed}")
+    elif args.name is None:   # runs/SOURCE-RUN-ckpt_0000500-grow-w2-l0
+        source = os.path.basename(os.path.dirname(os.path.abspath(args.grow_from)))
+        args.name = (f"{source}-{os.path.splitext(os.path.basename(args.grow_from))[0]}-grow-"
+                     f"w{args.grow_width}-l{args.grow_layers}")
+    return args
+
+
+# ==================================================================================================
+# the paper's objects: data, objectives, optimiser, exact evaluation
+# ==================================================================================================
+
+# ----------------------------------------------------------------------------- language, data ---
 
 def make_language(name, seed):
     """The language named `name` (data.LANGUAGES) or stored as a spec JSON file at `name`."""
@@ -137,7 +236,7 @@ def make_batch(lang, args, step, rank, n):
     return inputs, full
 
 
-# ------------------------------------------------------------------------- objectives ---
+# --------------------------------------------------------------------------------- objectives ---
 
 def mlm_log_probs(logits, V):
     """log q(. | x_-t) over the V words (§2.1): the softmax skips the special tokens, so the
@@ -213,7 +312,7 @@ class Objective(nn.Module):
         return logits, feats
 
 
-# ----------------------------------------------------------------------- optimisation ---
+# ------------------------------------------------------------------------------- optimisation ---
 
 def make_optimizer(net, args):
     """AdamW (App. A.3: decay on weight matrices and embeddings, not on biases or LayerNorm,
@@ -242,7 +341,7 @@ def lr_at(i, args):
     return args.lr * (args.steps - i) / args.decay_steps
 
 
-# ------------------------------------------------------------------------- evaluation ---
+# --------------------------------------------------------------------------------- evaluation ---
 
 @dataclasses.dataclass
 class EvalSet:
@@ -332,82 +431,192 @@ class LookupTable(nn.Module):
         return logp.to(tokens.device)
 
 
-# ------------------------------------------------------------------------ checkpoints ---
+# ==================================================================================================
+# the training loop
+# ==================================================================================================
 
-def ckpt_path(run_dir, step):
-    """runs/NAME/ckpt_{step:07d}.pt"""
-    return os.path.join(run_dir, f"ckpt_{step:07d}.pt")
-
-
-def list_checkpoints(run_dir):
-    """Checkpoint paths of a run directory, oldest first."""
-    if not os.path.isdir(run_dir):
-        return []
-    names = sorted(f for f in os.listdir(run_dir) if f.startswith("ckpt_") and f.endswith(".pt"))
-    return [os.path.join(run_dir, f) for f in names]
+@dataclasses.dataclass
+class LossWindow:
+    """Sums over the updates since the last metrics row (averaged over ranks when written)."""
+    loss: float = 0.0
+    updates: int = 0
+    adv_loss: float = 0.0
 
 
-def save_checkpoint(path, ckpt):
-    """torch.save to a temporary file, then rename: a crash never leaves half a checkpoint."""
-    tmp = path + ".tmp"
-    torch.save(ckpt, tmp)
-    os.replace(tmp, path)
+@dataclasses.dataclass
+class Run:
+    """Everything one update, one metrics row and one checkpoint need."""
+    args: argparse.Namespace
+    lang: object
+    net: nn.Module
+    objective: nn.Module          # the net in one forward, maybe compiled and DDP-wrapped
+    opt: torch.optim.Optimizer
+    ev: EvalSet                   # None on ranks > 0
+    dir: str
+    rank: int
+    world: int
+    device: torch.device
+    task: tuple = None            # adversarial: (tokens, labels, n_classes) of the task pool
+    step: int = 0
+    wall0: float = 0.0            # seconds this run ran before its last resume
+    window: LossWindow = dataclasses.field(default_factory=LossWindow)
+    t_start: float = dataclasses.field(default_factory=time.time)
+    t_window: float = dataclasses.field(default_factory=time.time)
+    tokens_window: int = 0
 
 
-def read_checkpoint(path, device="cpu"):
-    """The checkpoint dict in file `path`, loaded safely (weights_only=True: no code runs);
-    FileNotFoundError or ValueError with a one-line message for anything else."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint file {path!r} (train.py writes "
-                                f"runs/NAME/ckpt_*.pt)")
+def train(args):
+    """Run one training job as the arguments say (see the module docstring)."""
+    check_args(args)
+    torch.set_num_threads(args.threads)
+    run = start_run(args)
+    if run is None:                                  # a lookup table, or a run already complete
+        return os.path.join(args.runs, args.name)
+    start_step = run.step
+    with deferred_interrupts() as stop:
+        try:
+            while run.step < args.steps:
+                if stop:
+                    raise KeyboardInterrupt
+                one_update(run)
+                is_ckpt = run.step % args.ckpt_every == 0 or run.step == args.steps
+                is_eval = run.step % args.eval_every == 0 or is_ckpt
+                if is_eval or run.step % args.log_every == 0:
+                    write_row(run, is_eval, start_step)
+                if is_ckpt:
+                    save(run)
+        except KeyboardInterrupt:                     # lose nothing beyond the last update
+            if run.rank == 0 and not os.path.isfile(ckpt_path(run.dir, run.step)):
+                save(run)
+            raise SystemExit(f"train.py: interrupted after step {run.step}; wrote "
+                             f"{ckpt_path(run.dir, run.step)}; continue it with: python "
+                             f"train.py --runs {args.runs} --name {args.name} --resume")
+        finally:
+            if run.world > 1 and dist.is_initialized():
+                dist.destroy_process_group()
+    return run.dir
+
+
+def one_update(run):
+    """One optimizer update on this rank's slice of a fresh global batch (§2.1, App. A.3-A.4)."""
+    args, step, device = run.args, run.step, run.device
+    for group in run.opt.param_groups:
+        group["lr"] = lr_at(step, args)
+    inputs, targets = make_batch(run.lang, args, step, run.rank, args.batch // run.world)
+    task_tokens = task_labels = n_classes = None
+    if run.task is not None:                            # D1 = the first adv_n1, D2 the rest
+        idx = torch.randperm(args.adv_pool, generator=generator(args.seed, "adv", step, run.rank))
+        idx = idx[:args.adv_n1 + args.adv_n2]
+        task_tokens, task_labels = run.task[0][idx].to(device), run.task[1][idx].to(device)
+        n_classes = run.task[2]
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        loss, total, adv = training_objective(
+            run.objective, inputs.to(device), targets.to(device), run.lang.vocab_size, args,
+            task_tokens, task_labels, n_classes, generator(args.seed, "proj", step, run.rank))
+    loss_value = loss.item()
+    if not math.isfinite(loss_value) or not math.isfinite(total.item()):
+        last = list_checkpoints(run.dir)
+        raise SystemExit(f"train.py: loss is {loss_value} at step {step + 1}; stopped before "
+                         f"the update. The last good checkpoint is "
+                         f"{last[-1] if last else '(none yet)'}; try a lower --lr")
+    run.opt.zero_grad(set_to_none=True)
+    total.backward()
+    run.opt.step()
+    run.step += 1
+    run.window.loss += loss_value
+    run.window.updates += 1
+    run.window.adv_loss += 0.0 if adv is None else adv.item()
+    run.tokens_window += args.batch * run.lang.max_len
+
+
+def write_row(run, is_eval, start_step):
+    """A metrics.jsonl row and its progress line: the training loss since the last row (over
+    all ranks), the lr, throughput and wall time, and on eval steps the exact KL (App. A.4)."""
+    args, now = run.args, time.time()
+    w = run.window
+    sums = torch.tensor([w.loss, w.updates, w.adv_loss], dtype=torch.float64)
+    if run.world > 1:
+        dist.all_reduce(sums)
+        sums /= run.world
+    row = {"step": run.step, "loss": float(sums[0] / sums[1]),
+           "lr": run.opt.param_groups[0]["lr"],
+           "tokens_per_s": run.tokens_window / (now - run.t_window),
+           "wall": run.wall0 + now - run.t_start}
+    if args.algo == "adversarial":
+        row["adv_loss"] = float(sums[2] / sums[1])
+    run.window = LossWindow()
+    if run.rank == 0:
+        if is_eval:
+            row.update(evaluate(run.net, run.ev, run.lang.vocab_size, run.device))
+        with open(os.path.join(run.dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+        eta = (now - run.t_start) / (run.step - start_step) * (args.steps - run.step)
+        extra = f" | kl {row['kl']:.4f}" if "kl" in row else ""
+        extra += f" | adv_loss {row['adv_loss']:.4f}" if "adv_loss" in row else ""
+        print(f"step {run.step:7d}/{args.steps} | loss {row['loss']:.4f}{extra} | "
+              f"lr {row['lr']:.1e} | {row['tokens_per_s'] / 1e3:5.0f}k tok/s | "
+              f"{fmt_time(row['wall'])} elapsed, ETA {fmt_time(eta)}", flush=True)
+    run.t_window, run.tokens_window = time.time(), 0
+
+
+def save(run):
+    """Checkpoint the run (rank 0): all that resuming, hessian.py and probe.py need."""
+    if run.rank == 0:
+        w = run.window
+        save_checkpoint(ckpt_path(run.dir, run.step), {
+            "kind": "mlm", "model_config": dataclasses.asdict(run.net.config),
+            "model": run.net.state_dict(), "optimizer": run.opt.state_dict(), "step": run.step,
+            "wall": run.wall0 + time.time() - run.t_start,
+            "window": [w.loss, w.updates, w.adv_loss],
+            "rng": {"torch": torch.get_rng_state(), "seed": run.args.seed},
+            "language": run.lang.spec(), "args": vars(run.args), "world": run.world})
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Ctrl-C and `kill` (SIGTERM, e.g. a scheduler's preemption) only raise a flag, checked
+    between updates, so the checkpoint written on the way out holds whole updates; a second
+    Ctrl-C stops at once. Yields the flag (a list, non-empty once signalled)."""
+    stop = []
+
+    def on_signal(signum, frame):
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(signum)
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = ({sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+           if main_thread else {})
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:   # text, empty, truncated or foreign files all end up here
-        raise ValueError(f"{path} is not a readable train.py checkpoint (torch.load: "
-                         f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
-                         ) from None
-    if isinstance(ckpt, dict) and "spec" in ckpt and "kind" not in ckpt:
-        raise ValueError(f"{path} is a data.py dataset, not a train.py checkpoint "
-                         f"(runs/NAME/ckpt_*.pt)")
-    need = {"kind", "language", "step", "args"}
-    if not isinstance(ckpt, dict) or not need <= set(ckpt) or ckpt["kind"] not in ("mlm",
-                                                                                   "lookup"):
-        raise ValueError(f"{path} is not a train.py checkpoint (a dict with "
-                         f"{', '.join(sorted(need))}; train.py writes runs/NAME/ckpt_*.pt)")
-    return ckpt
+        yield stop
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
-def load_checkpoint(path, device="cpu"):
-    """(model, ckpt, lang) from a checkpoint file, with the model built, loaded and in eval
-    mode; for kind "lookup" the model is LookupTable(lang). Safe: weights_only=True."""
-    ckpt = read_checkpoint(path, device)
-    lang = data.language_from_spec(ckpt["language"])
-    if ckpt["kind"] == "lookup":
-        return LookupTable(lang), ckpt, lang
-    net = model.build(model.ModelConfig(**ckpt["model_config"]))
-    net.load_state_dict(ckpt["model"])
-    return net.to(device).eval(), ckpt, lang
+# ==================================================================================================
+# plumbing: randomness, setup, checkpoints, resuming
+# ==================================================================================================
+
+# --------------------------------------------------------------------------------- randomness ---
+
+def stream_seed(seed, stream, *keys):
+    """A 63-bit seed for random stream `stream` at (seed, *keys), e.g. (seed, step, rank).
+
+    Seeding every step's data and masks from the step number makes the run a pure
+    function of its arguments: resuming needs no sampler state, and ranks never collide."""
+    ss = np.random.SeedSequence([int(seed), STREAMS[stream], *[int(k) for k in keys]])
+    return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
 
 
-# ----------------------------------------------------------------------- the run itself ---
+def generator(seed, stream, *keys):
+    """A CPU torch.Generator for stream_seed(seed, stream, *keys)."""
+    return torch.Generator().manual_seed(stream_seed(seed, stream, *keys))
+
+
+# -------------------------------------------------------------------------------------- setup ---
 
 def check_args(args):
-    """Fill algorithm defaults and reject impossible settings before anything is built."""
-    if args.warmup is None:
-        args.warmup = WARMUP.get(args.algo, 0.0)
-    if args.schedule is None:
-        args.schedule = SCHEDULE.get(args.algo, "const")
-    if getattr(args, "warmup_steps", None) is None:   # fixed at the start: extending keeps it
-        args.warmup_steps = max(1, round(args.warmup * args.steps))
-    if args.name is None and args.grow_from is None:
-        size = "".join(f"-{tag}{getattr(args, k)}" for k, tag in SIZE_OVERRIDES.items()
-                       if getattr(args, k) is not None)
-        args.name = (f"{os.path.splitext(os.path.basename(args.lang))[0]}-{args.preset}{size}-"
-                     f"{args.algo}-s{args.seed}")
-    elif args.name is None:   # runs/SOURCE-RUN-ckpt_0000500-grow-w2-l0
-        source = os.path.basename(os.path.dirname(os.path.abspath(args.grow_from)))
-        args.name = (f"{source}-{os.path.splitext(os.path.basename(args.grow_from))[0]}-grow-"
-                     f"w{args.grow_width}-l{args.grow_layers}")
+    """Reject impossible settings, all at once, before anything is built."""
     bad = [f"--{k.replace('_', '-')} must be >= 1 (got {getattr(args, k)})" for k in
            ("batch", "eval_n", "eval_every", "log_every", "ckpt_every", "threads")
            if getattr(args, k) < 1]
@@ -538,235 +747,6 @@ def start_state(args, run_dir, lang, cfg, world):
     return ckpt
 
 
-def truncate_metrics(path, step):
-    """Drop metric rows written after `step` (a killed run may have logged past its last
-    checkpoint), so a resumed run's metrics.jsonl equals an uninterrupted run's."""
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        rows = [r for r in f if r.strip() and json.loads(r)["step"] <= step]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(rows)
-    os.replace(path + ".tmp", path)
-
-
-def fmt_time(s):
-    """Seconds as m:ss or h:mm:ss."""
-    s = int(s)
-    if s >= 3600:
-        return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
-    return f"{s // 60}:{s % 60:02d}"
-
-
-def write_lookup(args, lang, run_dir):
-    """App. A.4's lookup table: one checkpoint of kind "lookup", and its eval row, computed
-    with evaluate() like any model's (the table gets the masked eval inputs; its KL comes out
-    ~1e-15, float64 rounding). The teacher's exact conditional costs ~0.5-0.8 s per masked
-    row on one CPU thread (172 rows of 10 sentences: 2:18 measured on the shared 2-core
-    machine), so its table is scored on a LOOKUP_TEACHER_EVAL_N-sentence eval set and the
-    row's "eval_n" says so; the other languages use --eval-n."""
-    t0 = time.time()
-    n = args.eval_n
-    if lang.spec()["kind"] == "teacher" and n > LOOKUP_TEACHER_EVAL_N:
-        n = LOOKUP_TEACHER_EVAL_N
-        print(f"lookup table on the teacher language: scored on a {n}-sentence eval set instead "
-              f"of --eval-n {args.eval_n} (each masked row costs an exact teacher conditional, "
-              f"~0.5 s)", flush=True)
-    ev = make_eval_set(lang, n)
-    print(f"lookup table: scoring {len(ev.pos)} masked eval rows ({n} sentences) with "
-          f"evaluate()", flush=True)
-    row = {"step": 0, "loss": None, "lr": 0.0, "tokens_per_s": 0.0, "wall": 0.0,
-           **evaluate(LookupTable(lang), ev, lang.vocab_size), "eval_n": n}
-    row["wall"] = time.time() - t0
-    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
-    path = ckpt_path(run_dir, 0)
-    save_checkpoint(path, {"kind": "lookup", "model": {}, "optimizer": {}, "step": 0, "rng": {},
-                           "language": lang.spec(), "args": vars(args)})
-    print(f"lookup table: eval_loss {row['eval_loss']:.6f}, entropy {row['entropy']:.6f} nats, "
-          f"kl {row['kl']:.1e} ({fmt_time(row['wall'])}); wrote {path}")
-
-
-def write_grown(run, small, source):
-    """Step 0 of a --grow-from run (App. B.1.3): the eval row of the grown model, which must
-    equal the source model's (printed side by side: grow() is exact up to float32 rounding),
-    and its checkpoint (with a fresh optimizer state)."""
-    t0, V, args = time.time(), run.lang.vocab_size, run.args
-    row = {"step": 0, "loss": None, "lr": 0.0, "tokens_per_s": 0.0, "wall": 0.0,
-           **evaluate(run.net, run.ev, V, run.device)}
-    row["wall"] = time.time() - t0
-    with open(os.path.join(run.dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
-    kl_source = evaluate(small.to(run.device), run.ev, V, run.device)["kl"]
-    save(run)
-    n_small, n_big = (sum(p.numel() for p in m.parameters()) for m in (small, run.net))
-    print(f"grew {args.grow_from} (step {source['step']}, {n_small:,} params) to {n_big:,} "
-          f"params (width x{args.grow_width}, +{args.grow_layers} layers): eval kl "
-          f"{row['kl']:.6f} vs the source's {kl_source:.6f} (diff "
-          f"{abs(row['kl'] - kl_source):.1e}); wrote {ckpt_path(run.dir, 0)}", flush=True)
-
-
-@dataclasses.dataclass
-class LossWindow:
-    """Sums over the updates since the last metrics row (averaged over ranks when written)."""
-    loss: float = 0.0
-    updates: int = 0
-    adv_loss: float = 0.0
-
-
-@dataclasses.dataclass
-class Run:
-    """Everything one update, one metrics row and one checkpoint need."""
-    args: argparse.Namespace
-    lang: object
-    net: nn.Module
-    objective: nn.Module          # the net in one forward, maybe compiled and DDP-wrapped
-    opt: torch.optim.Optimizer
-    ev: EvalSet                   # None on ranks > 0
-    dir: str
-    rank: int
-    world: int
-    device: torch.device
-    task: tuple = None            # adversarial: (tokens, labels, n_classes) of the task pool
-    step: int = 0
-    wall0: float = 0.0            # seconds this run ran before its last resume
-    window: LossWindow = dataclasses.field(default_factory=LossWindow)
-    t_start: float = dataclasses.field(default_factory=time.time)
-    t_window: float = dataclasses.field(default_factory=time.time)
-    tokens_window: int = 0
-
-
-def train(args):
-    """Run one training job as the arguments say (see the module docstring)."""
-    check_args(args)
-    torch.set_num_threads(args.threads)
-    run = start_run(args)
-    if run is None:                                  # a lookup table, or a run already complete
-        return os.path.join(args.runs, args.name)
-    start_step = run.step
-    with deferred_interrupts() as stop:
-        try:
-            while run.step < args.steps:
-                if stop:
-                    raise KeyboardInterrupt
-                one_update(run)
-                is_ckpt = run.step % args.ckpt_every == 0 or run.step == args.steps
-                is_eval = run.step % args.eval_every == 0 or is_ckpt
-                if is_eval or run.step % args.log_every == 0:
-                    write_row(run, is_eval, start_step)
-                if is_ckpt:
-                    save(run)
-        except KeyboardInterrupt:                     # lose nothing beyond the last update
-            if run.rank == 0 and not os.path.isfile(ckpt_path(run.dir, run.step)):
-                save(run)
-            raise SystemExit(f"train.py: interrupted after step {run.step}; wrote "
-                             f"{ckpt_path(run.dir, run.step)}; continue it with: python "
-                             f"train.py --runs {args.runs} --name {args.name} --resume")
-        finally:
-            if run.world > 1 and dist.is_initialized():
-                dist.destroy_process_group()
-    return run.dir
-
-
-def one_update(run):
-    """One optimizer update on this rank's slice of a fresh global batch (§2.1, App. A.3-A.4)."""
-    args, step, device = run.args, run.step, run.device
-    for group in run.opt.param_groups:
-        group["lr"] = lr_at(step, args)
-    torch.manual_seed(stream_seed(args.seed, "dropout", step, run.rank))
-    inputs, targets = make_batch(run.lang, args, step, run.rank, args.batch // run.world)
-    task_tokens = task_labels = n_classes = None
-    if run.task is not None:                            # D1 = the first adv_n1, D2 the rest
-        idx = torch.randperm(args.adv_pool, generator=generator(args.seed, "adv", step, run.rank))
-        idx = idx[:args.adv_n1 + args.adv_n2]
-        task_tokens, task_labels = run.task[0][idx].to(device), run.task[1][idx].to(device)
-        n_classes = run.task[2]
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        loss, total, adv = training_objective(
-            run.objective, inputs.to(device), targets.to(device), run.lang.vocab_size, args,
-            task_tokens, task_labels, n_classes, generator(args.seed, "proj", step, run.rank))
-    loss_value = loss.item()
-    if not math.isfinite(loss_value) or not math.isfinite(total.item()):
-        last = list_checkpoints(run.dir)
-        raise SystemExit(f"train.py: loss is {loss_value} at step {step + 1}; stopped before "
-                         f"the update. The last good checkpoint is "
-                         f"{last[-1] if last else '(none yet)'}; try a lower --lr")
-    run.opt.zero_grad(set_to_none=True)
-    total.backward()
-    run.opt.step()
-    run.step += 1
-    run.window.loss += loss_value
-    run.window.updates += 1
-    run.window.adv_loss += 0.0 if adv is None else adv.item()
-    run.tokens_window += args.batch * run.lang.max_len
-
-
-def write_row(run, is_eval, start_step):
-    """A metrics.jsonl row and its progress line: the training loss since the last row (over
-    all ranks), the lr, throughput and wall time, and on eval steps the exact KL (App. A.4)."""
-    args, now = run.args, time.time()
-    w = run.window
-    sums = torch.tensor([w.loss, w.updates, w.adv_loss], dtype=torch.float64)
-    if run.world > 1:
-        dist.all_reduce(sums)
-        sums /= run.world
-    row = {"step": run.step, "loss": float(sums[0] / sums[1]),
-           "lr": run.opt.param_groups[0]["lr"],
-           "tokens_per_s": run.tokens_window / (now - run.t_window),
-           "wall": run.wall0 + now - run.t_start}
-    if args.algo == "adversarial":
-        row["adv_loss"] = float(sums[2] / sums[1])
-    run.window = LossWindow()
-    if run.rank == 0:
-        if is_eval:
-            row.update(evaluate(run.net, run.ev, run.lang.vocab_size, run.device))
-        with open(os.path.join(run.dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
-        eta = (now - run.t_start) / (run.step - start_step) * (args.steps - run.step)
-        extra = f" | kl {row['kl']:.4f}" if "kl" in row else ""
-        extra += f" | adv_loss {row['adv_loss']:.4f}" if "adv_loss" in row else ""
-        print(f"step {run.step:7d}/{args.steps} | loss {row['loss']:.4f}{extra} | "
-              f"lr {row['lr']:.1e} | {row['tokens_per_s'] / 1e3:5.0f}k tok/s | "
-              f"{fmt_time(row['wall'])} elapsed, ETA {fmt_time(eta)}", flush=True)
-    run.t_window, run.tokens_window = time.time(), 0
-
-
-def save(run):
-    """Checkpoint the run (rank 0): all that resuming, hessian.py and probe.py need."""
-    if run.rank == 0:
-        w = run.window
-        save_checkpoint(ckpt_path(run.dir, run.step), {
-            "kind": "mlm", "model_config": dataclasses.asdict(run.net.config),
-            "model": run.net.state_dict(), "optimizer": run.opt.state_dict(), "step": run.step,
-            "wall": run.wall0 + time.time() - run.t_start,
-            "window": [w.loss, w.updates, w.adv_loss],
-            "rng": {"torch": torch.get_rng_state(), "seed": run.args.seed},
-            "language": run.lang.spec(), "args": vars(run.args), "world": run.world})
-
-
-@contextlib.contextmanager
-def deferred_interrupts():
-    """Ctrl-C and `kill` (SIGTERM, e.g. a scheduler's preemption) only raise a flag, checked
-    between updates, so the checkpoint written on the way out holds whole updates; a second
-    Ctrl-C stops at once. Yields the flag (a list, non-empty once signalled)."""
-    stop = []
-
-    def on_signal(signum, frame):
-        if stop:
-            raise KeyboardInterrupt
-        stop.append(signum)
-    main_thread = threading.current_thread() is threading.main_thread()
-    old = ({sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-           if main_thread else {})
-    try:
-        yield stop
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
-# ------------------------------------------------------------------------------ setup ---
-
 def start_run(args):
     """Language, network, optimizer and start state (new, resumed or branched) of the run; the
     run folder with its config.json; None when there is nothing to train (a lookup table is
@@ -861,97 +841,132 @@ def print_header(run, ckpt):
           f"{run.ev.entropy:.4f} nats")
 
 
-# ------------------------------------------------------------------------------ CLI ---
+def truncate_metrics(path, step):
+    """Drop metric rows written after `step` (a killed run may have logged past its last
+    checkpoint), so a resumed run's metrics.jsonl equals an uninterrupted run's."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        rows = [r for r in f if r.strip() and json.loads(r)["step"] <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(rows)
+    os.replace(path + ".tmp", path)
 
-def parse_args(argv=None):
-    """The run's arguments: the command line, or, with --resume / --branch-from, the arguments
-    stored in the checkpoint with only the flags that may change replaced (see merge_stored)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " The module "
-                                "docstring (python -m pydoc train) explains every option.",
-                                allow_abbrev=False,    # so that given_flags sees every flag
-                                formatter_class=lambda prog: argparse.HelpFormatter(
-                                    prog, max_help_position=26, width=100))
-    a = p.add_argument
-    a("--lang", default=None, help=f"{', '.join(data.LANGUAGES)} (default hmm-small) or a "
-      "spec .json")
-    a("--lang-seed", type=int, default=None, help="seed of the random language (default 0)")
-    a("--preset", default=None, help="model size preset (python model.py lists them; "
-      "default lstm-62k)")
-    a("--n-layers", type=int, default=None,
-      help="override the preset's number of transformer blocks / stacked LSTM layers")
-    a("--n-heads", type=int, default=None,
-      help="override the preset's attention heads (d = head_dim * heads)")
-    a("--lstm-hidden", type=int, default=None,
-      help="override the preset's LSTM hidden size per direction (LSTM; d = 2 * hidden)")
-    a("--grow-from", default=None, metavar="CKPT",
-      help="start from model.grow(CKPT's model) as step 0 (App. B.1.3), fresh optimizer")
-    a("--grow-width", type=int, default=None,
-      help="with --grow-from: width factor k (heads / LSTM hidden units times k; default 2)")
-    a("--grow-layers", type=int, default=None,
-      help="with --grow-from: transformer blocks added on top (default 0; not for LSTMs)")
-    a("--algo", default="adamw", choices=ALGOS, help="pre-training algorithm (default adamw)")
-    a("--steps", type=int, default=3000, help="number of updates (default 3000); with --resume: "
-      "a larger number extends a --schedule const run")
-    a("--batch", type=int, default=256, help="global batch in sentences, split over processes")
-    a("--lr", type=float, default=1e-2, help="peak lr (default 1e-2 for the CPU models; "
-      "the paper's 1e-3)")
-    a("--warmup", type=float, default=None, help="warm-up fraction of the first --steps "
-      "(default 0.06; sgd 0.12)")
-    a("--schedule", choices=("linear", "const"), default=None,
-      help="after warmup: linear decay to 0, or constant (default linear; const for sgd)")
-    a("--decay-steps", type=int, default=0, help="with --schedule const: the last N updates "
-      "decay linearly to 0")
-    a("--branch-from", default=None, metavar="CKPT",
-      help="a new run continuing CKPT's with the lr decayed to 0 over --decay-steps")
-    a("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
-    a("--mask-rate", type=float, default=None,
-      help="mask this fraction of tokens (App. E: 0.15) instead of one per sentence")
-    a("--task", default=None, help="adversarial: downstream task (default: the language's first)")
-    a("--adv-lambda", type=float, default=0.03,
-      help="adversarial: weight of -loss_D2 (default 0.03; 0.1 stalls the MLM on the CPU)")
-    a("--adv-alpha", type=float, default=1.0,
-      help="adversarial: ridge penalty relative to the mean squared feature norm")
-    a("--adv-pool", type=int, default=4096, help="adversarial: downstream training set size")
-    a("--adv-n1", type=int, default=256, help="adversarial: |D1| (head fitted on it) per step")
-    a("--adv-n2", type=int, default=256, help="adversarial: |D2| (head scored on it) per step")
-    a("--seed", type=int, default=0, help="training seed: init, data order, masks, dropout")
-    a("--eval-n", type=int, default=1000, help="eval sentences (each masked at every position)")
-    a("--eval-every", type=int, default=250, help="evaluate exactly every k steps")
-    a("--log-every", type=int, default=50, help="write a training metrics row every k steps")
-    a("--ckpt-every", type=int, default=500, help="checkpoint every k steps (and at the last)")
-    a("--name", default=None, help="run name: runs/NAME/ (default LANG-PRESET-ALGO-sSEED)")
-    a("--runs", default="runs", help="parent folder of run directories (default runs/)")
-    a("--resume", nargs="?", const="latest", default=None,
-      help="continue runs/NAME (or a checkpoint file's run) with its stored arguments")
-    a("--device", default="cpu", help="cpu (default) or cuda (bf16 autocast)")
-    a("--compile", action="store_true", help="torch.compile the model (GPU runs)")
-    a("--threads", type=int, default=1, help="torch threads per process (default 1)")
-    args = p.parse_args(argv)
-    given = given_flags(p, sys.argv[1:] if argv is None else argv)
-    if args.resume is not None and args.branch_from is not None:
-        p.error("--resume continues a run in its own folder; --branch-from starts a new one: "
-                "give one of them")
-    if args.resume is not None or args.branch_from is not None:
-        return merge_stored(args, given)
-    # Defaults filled here rather than by argparse, so that --grow-from can tell given flags
-    # apart.
-    if args.grow_from is None:
-        grow_flags = [f for f in ("grow_width", "grow_layers") if f in given]
-        if grow_flags:
-            p.error(f"--{grow_flags[0].replace('_', '-')} needs --grow-from CKPT")
-        args.lang = "hmm-small" if args.lang is None else args.lang
-        args.lang_seed = 0 if args.lang_seed is None else args.lang_seed
-        args.preset = "lstm-62k" if args.preset is None else args.preset
-    else:
-        clash = [f for f in ("lang", "lang_seed", "preset", *SIZE_OVERRIDES) if f in given]
-        if clash:
-            p.error(f"--{clash[0].replace('_', '-')} cannot be combined with --grow-from: the "
-                    f"grown model's language and size come from the checkpoint (and "
-                    f"--grow-width/-layers)")
-        args.grow_width = 2 if args.grow_width is None else args.grow_width
-        args.grow_layers = 0 if args.grow_layers is None else args.grow_layers
-    return args
 
+def fmt_time(s):
+    """Seconds as m:ss or h:mm:ss."""
+    s = int(s)
+    if s >= 3600:
+        return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+    return f"{s // 60}:{s % 60:02d}"
+
+
+def write_lookup(args, lang, run_dir):
+    """App. A.4's lookup table: one checkpoint of kind "lookup", and its eval row, computed
+    with evaluate() like any model's (the table gets the masked eval inputs; its KL comes out
+    ~1e-15, float64 rounding). The teacher's exact conditional costs ~0.5-0.8 s per masked
+    row on one CPU thread (172 rows of 10 sentences: 2:18 measured on the shared 2-core
+    machine), so its table is scored on a LOOKUP_TEACHER_EVAL_N-sentence eval set and the
+    row's "eval_n" says so; the other languages use --eval-n."""
+    t0 = time.time()
+    n = args.eval_n
+    if lang.spec()["kind"] == "teacher" and n > LOOKUP_TEACHER_EVAL_N:
+        n = LOOKUP_TEACHER_EVAL_N
+        print(f"lookup table on the teacher language: scored on a {n}-sentence eval set instead "
+              f"of --eval-n {args.eval_n} (each masked row costs an exact teacher conditional, "
+              f"~0.5 s)", flush=True)
+    ev = make_eval_set(lang, n)
+    print(f"lookup table: scoring {len(ev.pos)} masked eval rows ({n} sentences) with "
+          f"evaluate()", flush=True)
+    row = {"step": 0, "loss": None, "lr": 0.0, "tokens_per_s": 0.0, "wall": 0.0,
+           **evaluate(LookupTable(lang), ev, lang.vocab_size), "eval_n": n}
+    row["wall"] = time.time() - t0
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    path = ckpt_path(run_dir, 0)
+    save_checkpoint(path, {"kind": "lookup", "model": {}, "optimizer": {}, "step": 0, "rng": {},
+                           "language": lang.spec(), "args": vars(args)})
+    print(f"lookup table: eval_loss {row['eval_loss']:.6f}, entropy {row['entropy']:.6f} nats, "
+          f"kl {row['kl']:.1e} ({fmt_time(row['wall'])}); wrote {path}")
+
+
+def write_grown(run, small, source):
+    """Step 0 of a --grow-from run (App. B.1.3): the eval row of the grown model, which must
+    equal the source model's (printed side by side: grow() is exact up to float32 rounding),
+    and its checkpoint (with a fresh optimizer state)."""
+    t0, V, args = time.time(), run.lang.vocab_size, run.args
+    row = {"step": 0, "loss": None, "lr": 0.0, "tokens_per_s": 0.0, "wall": 0.0,
+           **evaluate(run.net, run.ev, V, run.device)}
+    row["wall"] = time.time() - t0
+    with open(os.path.join(run.dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    kl_source = evaluate(small.to(run.device), run.ev, V, run.device)["kl"]
+    save(run)
+    n_small, n_big = (sum(p.numel() for p in m.parameters()) for m in (small, run.net))
+    print(f"grew {args.grow_from} (step {source['step']}, {n_small:,} params) to {n_big:,} "
+          f"params (width x{args.grow_width}, +{args.grow_layers} layers): eval kl "
+          f"{row['kl']:.6f} vs the source's {kl_source:.6f} (diff "
+          f"{abs(row['kl'] - kl_source):.1e}); wrote {ckpt_path(run.dir, 0)}", flush=True)
+
+
+# -------------------------------------------------------------------------------- checkpoints ---
+
+def ckpt_path(run_dir, step):
+    """runs/NAME/ckpt_{step:07d}.pt"""
+    return os.path.join(run_dir, f"ckpt_{step:07d}.pt")
+
+
+def list_checkpoints(run_dir):
+    """Checkpoint paths of a run directory, oldest first."""
+    if not os.path.isdir(run_dir):
+        return []
+    names = sorted(f for f in os.listdir(run_dir) if f.startswith("ckpt_") and f.endswith(".pt"))
+    return [os.path.join(run_dir, f) for f in names]
+
+
+def save_checkpoint(path, ckpt):
+    """torch.save to a temporary file, then rename: a crash never leaves half a checkpoint."""
+    tmp = path + ".tmp"
+    torch.save(ckpt, tmp)
+    os.replace(tmp, path)
+
+
+def read_checkpoint(path, device="cpu"):
+    """The checkpoint dict in file `path`, loaded safely (weights_only=True: no code runs);
+    FileNotFoundError or ValueError with a one-line message for anything else."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint file {path!r} (train.py writes "
+                                f"runs/NAME/ckpt_*.pt)")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:   # text, empty, truncated or foreign files all end up here
+        raise ValueError(f"{path} is not a readable train.py checkpoint (torch.load: "
+                         f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+                         ) from None
+    if isinstance(ckpt, dict) and "spec" in ckpt and "kind" not in ckpt:
+        raise ValueError(f"{path} is a data.py dataset, not a train.py checkpoint "
+                         f"(runs/NAME/ckpt_*.pt)")
+    need = {"kind", "language", "step", "args"}
+    if not isinstance(ckpt, dict) or not need <= set(ckpt) or ckpt["kind"] not in ("mlm",
+                                                                                   "lookup"):
+        raise ValueError(f"{path} is not a train.py checkpoint (a dict with "
+                         f"{', '.join(sorted(need))}; train.py writes runs/NAME/ckpt_*.pt)")
+    return ckpt
+
+
+def load_checkpoint(path, device="cpu"):
+    """(model, ckpt, lang) from a checkpoint file, with the model built, loaded and in eval
+    mode; for kind "lookup" the model is LookupTable(lang). Safe: weights_only=True."""
+    ckpt = read_checkpoint(path, device)
+    lang = data.language_from_spec(ckpt["language"])
+    if ckpt["kind"] == "lookup":
+        return LookupTable(lang), ckpt, lang
+    net = model.build(model.ModelConfig(**ckpt["model_config"]))
+    net.load_state_dict(ckpt["model"])
+    return net.to(device).eval(), ckpt, lang
+
+
+# ------------------------------------ resume and branch: the arguments stored in a checkpoint ---
 
 def given_flags(parser, argv):
     """The destinations of the options written on the command line `argv`."""
