@@ -15,87 +15,21 @@ other jobs):
                                                 # interpolate and those lines FAIL)
     python dyck_theory.py --json                # one JSON object instead (schema at the end)
 
-SETTING (our conventions; the extracted paper text garbles several symbols)
-  Sentences: x in {"(", ")"}^T, T even >= 6, with T/2 of each bracket, uniform. One position t is
-  masked uniformly. Encoding in d = 2T: "(" at j -> e_j, ")" at j -> -e_j, the mask at t ->
-  sigma*e_{T+t}, sigma uniform in {+1,-1}. For T <= 14 the support (sentence x masked position x
-  mask sign, C(T,T/2)*T*2 points, 240 at T=6) is enumerated and every expectation below is exact;
-  above it is sampled (SAMPLED_SUPPORT points).
-  Target: y = g*(x) = #"(" - #")" among the visible tokens = 1_T^T z_{1:T}, z = sum_j x_j. On a
-  masked sentence y = -1 if the masked bracket is "(" and +1 if it is ")" (the paper writes
-  g = -1_T^T z_{1:T} with the opposite sign; every statement is symmetric under y -> -y).
-  Downstream: x in {"(", ")"}^T i.i.d. uniform, no mask, same encoding, target
-  g*(x) = 1_T^T z_{1:T}, which ranges over {-T, -T+2, ..., T} (not only +-1, as the proof of
-  Thm 5.1 in App. F writes).
+Read in this order (each derivation is in the docstring of the function that computes it, in
+this file's conventions; the extracted paper text garbles several symbols):
+  pretraining_support, downstream_population   the setting: sentences, encoding, targets
+  model_output                                 the one-layer transformer of Sec. 5
+  grad_norm_trace, hessian_trace               Lemma F.4: Tr = 2 E||grad f||^2 at zero loss
+  lower_bound, balance                         Lemma F.1: Tr >= 4 / (m sqrt(T)), the AM-GM step
+  transferable_solution                        solution (1): attains the bound
+  random_features_solution                     solution (2): memorises, above the bound
+  flattest_search_run                          a numerical search for the flattest solution
+  failure_probability_exact                    Thm 5.1 downstream: where its 2^-n fails
+  claim_*                                      each claim as a number and PASS/FAIL
 
-MODEL (paper Sec. 5)  f(x) = (1/m) u^T relu(V h(x)),  h(x) = sum_j a_j x_j,
-  a = softmax_j(<Q x_1, K x_j>), Q, K in R^{k x d} (k = d here), V in R^{m x d}, u in R^m.
-  psi = (Q, K, V): the trace below is Tr grad^2_psi L + Tr grad^2_u L = the trace of the Hessian in
-  ALL parameters (Q, K, V, u) (a sum of diagonal blocks, so no cross term is involved).
-  Squared loss L(psi, u) = E (f(x) - y)^2 for MLM and for downstream.
-
-LEMMA F.4 (trace at zero loss). grad^2 L = 2 E[grad f grad f^T] + 2 E[(f - y) grad^2 f]. At L = 0,
-  f = y on the whole support, so Tr grad^2 L = 2 E ||grad_theta f||^2.
-  (The paper states E||grad f||^2 without the 2; its own proof has l'' = 2, so the 2 belongs there.)
-
-LEMMA F.1 (lower bound), re-derived for these conventions. Per input, with p = V h, D = 1[p > 0]:
-  ||grad_u f||^2 = (1/m^2) sum_i relu(p_i)^2,    ||grad_V f||^2 = (1/m^2) sum_i u_i^2 D_i ||h||^2.
-  Dropping the Q, K terms (>= 0) and using a^2 + b^2 >= 2ab (AM-GM) neuron by neuron:
-  ||grad_V f||^2 + ||grad_u f||^2
-      >= (2/m^2) ||h|| sum_i relu(p_i)|u_i| >= (2/m^2) ||h|| |sum_i u_i relu(p_i)|
-      = (2/m) ||h|| |f(x)| = (2/m) ||h||       (|f| = |y| = 1 at zero loss).
-  The x_j of one masked sentence are orthonormal, so ||h||^2 = sum_j a_j^2 >= 1/T
-  (equality iff a_j = 1/T).
-  Hence  Tr grad^2_psi L + Tr grad^2_u L  >=  4 / (m sqrt(T))            (lower_bound below)
-  with equality iff (i) grad_Q f = grad_K f = 0, (ii) relu(p_i) = |u_i| ||h|| whenever p_i > 0,
-  (iii) no cancellation: the neurons active on one input all have u_i of one sign, (iv) uniform
-  attention. (The extracted paper reads "4/T"; its chain loses a factor 1/m in ||grad f||^2 and
-  the 2 of Lemma F.4. The constant is checked against the autograd Hessian of solution (1), which
-  attains it.)
-  Balancing (AM-GM step): V_i -> alpha_i V_i, u_i -> u_i / alpha_i leaves f unchanged (relu is
-  positively homogeneous) and changes the trace by alpha_i^2 A_i + B_i / alpha_i^2
-  (A_i = E relu(p_i)^2, B_i = u_i^2 E D_i ||h||^2; the Q, K terms depend on V_i u_i only); the
-  minimum is 2 sqrt(A_i B_i) at alpha_i^4 = B_i / A_i, which is condition (ii).
-
-SOLUTION (1), transferable. Q = K = 0 (uniform attention, h = z/T), V_1 = c[1_T; 0_T],
-  V_2 = -c[1_T; 0_T], u_1 = b, u_2 = -b, other neurons 0. Then f = (b c / (m T)) y, so zero loss
-  needs b c = m T; condition (ii) needs c/T = b/sqrt(T). Hence c = sqrt(m) T^(3/4),
-  b = sqrt(m) T^(1/4), and the trace is exactly (2/m^2)(c^2/T^2 + b^2/T) = 4/(m sqrt(T)): the
-  bound is attained.
-SOLUTION (2), memorising. Q = K = 0, V_ij ~ N(0, T) i.i.d. (the paper's N(0,T): it makes
-  V_i h = O(1)), u the minimum-norm solution of f = y on the whole support. Zero loss needs
-  m >= 2T + T C(T,T/2) (the rank of the relu features on the support: the linear part has rank 2T,
-  the even part one constraint per +-x pair); 132 at T=6, hence the default m = 160. Reported raw
-  and after balancing; always above the bound.
-
-FLATTEST SEARCH (our method). From a random start (Q, K ~ N(0, 1/d), V ~ N(0, T), u = min-norm
-  least-squares fit, not exactly zero loss because random attention breaks interpolation), minimise
-  Tr/bound subject to f = y on the support by an augmented Lagrangian: Adam on
-  Tr_closed(theta)/bound + lambda^T c + (mu/2)||c||^2, c = f - y, with the multipliers updated
-  (lambda += mu c) every SEARCH_INNER steps, an exact balancing step (above) each outer round, and
-  finally the minimum-norm correction of u that makes the loss exactly 0 (f is linear in u).
-  Tr_closed is the closed form of 2 E||grad f||^2 (Lemma F.4; the Q, K parts are
-  ||grad_Q f||^2 = ||K X^T g||^2 and ||grad_K f||^2 = ||Q x_1||^2 ||g||^2 with g = d f / d logits),
-  checked against autograd in the tests.
-  A run "reaches the bound" when its trace (2 E||grad f||^2, exact at zero loss by Lemma F.4; the
-  best run's is also recomputed by the autograd Hessian) is within SEARCH_TOL of it. At the defaults
-  all 3 runs end 0.16-0.27% above the bound (not exactly on it: small leftover position components
-  of V).
-
-DOWNSTREAM (Thm 5.1). On top of psi, u~ = argmin ||u|| s.t. zero training loss on n i.i.d. samples
-  (u~ = pinv(Phi_S) g*_S), population loss exact over all 2^T inputs. If psi attains the bound,
-  attention is uniform on downstream inputs too (uniformity on the support forces
-  x_1^T Q^T K x_j = 0) and, by Lemma F.3 (content rows of V = +-c_i 1_T; confirmed by the search),
-  every active neuron reads relu(+-c_i g*(x)/T), so the features span {relu(g*), relu(-g*)}: u~ is
-  exact iff the sample contains some g* > 0 AND some g* < 0 (g* = 0 carries no information). With
-  q = C(T,T/2)/2^T = Pr(g* = 0) and p = (1-q)/2:
-      Pr(failure) = 2 (1-p)^n - q^n        (exact; 0.029621 at T = 6, n = 10)
-  The theorem claims Pr(failure) <= 2^(-n) (0.000977 at n = 10). THAT BOUND DOES NOT HOLD in this
-  setting: the exact failure probability is 0.029621 at T = 6, n = 10 (30x the claim), and it
-  exceeds 2^(-n) for every n >= 1 and every even T >= 6 (1 - p >= 1/2). Even if g* took only the
-  values +-1 with probability 1/2 each (as App. F's proof treats it) the failure probability would
-  be 2 * 2^(-n) = 2^(1-n), twice the claim.
-  The script measures it over FAILURE_DRAWS draws and prints measured, exact and claimed values.
+Two corrections to the paper come out of it: Lemma F.4 holds with a factor 2 and Lemma F.1's
+bound is 4/(m sqrt(T)) (the extracted text reads 4/T); Thm 5.1's failure probability is
+2(1-p)^n - q^n (0.0296 at T = 6, n = 10), not at most 2^-n (0.00098).
 
 Prints one line per claim ("PASS"/"FAIL" with the numbers), or with --json one object
 {"T","m","n","mlm_loss":{...},"trace":{...},"downstream_loss":{...},
@@ -174,10 +108,17 @@ def encode(brackets, mask_pos=None, mask_sign=None):
 
 
 def pretraining_support(T, seed=0):
-    """MLM distribution P: (X [N,T,2T], y [N]) with y = g*(x) = 1^T z_{1:T} = -(masked bracket).
+    """The MLM distribution of Sec. 5: (X [N,T,2T], y [N]).
 
-    T <= ENUM_MAX_T: the whole support, each point with probability 1/N (expectations are means).
-    Otherwise SAMPLED_SUPPORT i.i.d. draws (uniform balanced sentence, position, sign) from `seed`.
+    Sentences: x in {"(", ")"}^T, T even >= 6, with T/2 of each bracket, uniform; one position t
+    is masked uniformly. Encoding in d = 2T (`encode`): "(" at j -> e_j, ")" at j -> -e_j, the
+    mask at t -> sigma e_{T+t}, sigma uniform in {+1, -1}. Target: y = g*(x) = #"(" - #")" among
+    the visible tokens = 1_T^T z_{1:T}, z = sum_j x_j; on a masked sentence y = -1 if the masked
+    bracket is "(" and +1 if it is ")" (the paper writes g = -1_T^T z_{1:T}, the opposite sign;
+    every statement is symmetric under y -> -y).
+    T <= ENUM_MAX_T: the whole support (sentence x position x sign, C(T,T/2)*T*2 points, 240 at
+    T = 6), each point with probability 1/N, so every expectation is an exact mean. Otherwise
+    SAMPLED_SUPPORT i.i.d. draws from `seed`.
     """
     if T <= ENUM_MAX_T:
         S = balanced_sentences(T)
@@ -198,8 +139,9 @@ def pretraining_support(T, seed=0):
 
 
 def downstream_population(T, seed=0):
-    """Downstream P_ds: all 2^T bracket strings (T <= ENUM_MAX_T; else 2^ENUM_MAX_T samples)
-    -> (X, g*)."""
+    """Downstream P_ds of Thm 5.1: all 2^T bracket strings, i.i.d. uniform brackets, no mask, same
+    encoding, target g*(x) = 1_T^T z_{1:T} in {-T, -T+2, ..., T} (not only +-1, as the proof in
+    App. F writes) -> (X, g*). T > ENUM_MAX_T: 2^ENUM_MAX_T samples."""
     if T <= ENUM_MAX_T:
         brackets = torch.tensor(list(itertools.product((1.0, -1.0), repeat=T)), dtype=DTYPE)
     else:
@@ -221,7 +163,12 @@ def attention_output(Q, K, X):
 
 
 def model_output(params, X):
-    """f(x) = (1/m) u^T relu(V h(x)) (Sec. 5). params: dict Q, K [k,d], V [m,d], u [m]."""
+    """f(x) = (1/m) u^T relu(V h(x)), h(x) = sum_j a_j x_j (Sec. 5).
+
+    a = softmax_j(<Q x_1, K x_j>), Q, K in R^{k x d} (k = d here), V in R^{m x d}, u in R^m;
+    psi = (Q, K, V). params: dict Q, K [k,d], V [m,d], u [m]. The loss, for MLM and downstream,
+    is squared: L(psi, u) = E (f(x) - y)^2 (`mlm_loss`).
+    """
     h = attention_output(params["Q"], params["K"], X)
     return torch.relu(h @ params["V"].T) @ params["u"] / params["u"].shape[0]
 
@@ -268,8 +215,12 @@ def hessian_trace(params, X, y):
 
 
 def grad_norm_trace(params, X):
-    """2 E ||grad_theta f(x)||^2 from per-sample autograd gradients
-    (= Tr grad^2 L at zero loss, Lemma F.4)."""
+    """2 E ||grad_theta f(x)||^2 from per-sample autograd gradients: Tr grad^2 L at zero loss.
+
+    Lemma F.4: grad^2 L = 2 E[grad f grad f^T] + 2 E[(f - y) grad^2 f]; at L = 0, f = y on the
+    whole support, so Tr grad^2 L = 2 E ||grad f||^2. The paper states E||grad f||^2 without the
+    2; its own proof has l'' = 2, so the 2 belongs there. Checked against `hessian_trace`.
+    """
     def f_single(p, x):
         return model_output(p, x[None])[0]
 
@@ -308,18 +259,31 @@ def trace_closed_form(params, X):
 
 
 def lower_bound(T, m):
-    """Lemma F.1 in our conventions: Tr grad^2_psi L + Tr grad^2_u L >= 4 / (m sqrt(T)) at zero
-    MLM loss."""
+    """Lemma F.1 in these conventions: Tr grad^2_psi L + Tr grad^2_u L >= 4 / (m sqrt(T)) at zero
+    MLM loss.
+
+    Per input, with p = V h, D = 1[p > 0]:
+      ||grad_u f||^2 = (1/m^2) sum_i relu(p_i)^2,  ||grad_V f||^2 = (1/m^2) sum_i u_i^2 D_i ||h||^2.
+    Dropping the Q, K terms (>= 0) and using a^2 + b^2 >= 2ab neuron by neuron:
+      ||grad_V f||^2 + ||grad_u f||^2 >= (2/m^2) ||h|| sum_i relu(p_i)|u_i|
+          >= (2/m^2) ||h|| |sum_i u_i relu(p_i)| = (2/m) ||h|| |f(x)| = (2/m) ||h||
+    (|f| = |y| = 1 at zero loss). The x_j of one masked sentence are orthonormal, so
+    ||h||^2 = sum_j a_j^2 >= 1/T, equality iff a_j = 1/T; with Lemma F.4's factor 2 the bound
+    follows. Equality iff (i) grad_Q f = grad_K f = 0, (ii) relu(p_i) = |u_i| ||h|| whenever
+    p_i > 0 (`balance`), (iii) the neurons active on one input all have u_i of one sign, (iv)
+    uniform attention. The extracted paper reads "4/T": its chain loses a factor 1/m in
+    ||grad f||^2 and the 2 of Lemma F.4; solution (1) attains 4 / (m sqrt(T)) (tested).
+    """
     return 4.0 / (m * math.sqrt(T))
 
 
 def balance(params, X):
-    """AM-GM step of Lemma F.1: rescale V_i -> alpha_i V_i, u_i -> u_i/alpha_i (f unchanged) to
-    minimise the trace.
+    """The AM-GM step of Lemma F.1: V_i -> alpha_i V_i, u_i -> u_i / alpha_i, minimising the trace.
 
-    Trace contribution of neuron i is alpha^2 A_i + B_i/alpha^2 (A_i = E relu(V_i h)^2,
-    B_i = u_i^2 E 1[V_i h>0]|h|^2), minimal at alpha^4 = B_i/A_i. Neurons with A_i = 0 or u_i = 0
-    do not affect f and are set to zero.
+    f is unchanged (relu is positively homogeneous) and neuron i's trace becomes
+    alpha^2 A_i + B_i / alpha^2 (A_i = E relu(V_i h)^2, B_i = u_i^2 E 1[V_i h > 0] |h|^2; the Q, K
+    terms depend on V_i u_i only), minimal, 2 sqrt(A_i B_i), at alpha^4 = B_i / A_i: condition
+    (ii). Neurons with A_i = 0 or u_i = 0 do not affect f and are set to zero.
     """
     with torch.no_grad():
         h = attention_output(params["Q"], params["K"], X)
@@ -335,8 +299,13 @@ def balance(params, X):
 
 # ----------------------------------------------------------------------- the two solutions (Sec. 5)
 def transferable_solution(T, m):
-    """Solution (1): Q = K = 0, V_1 = -V_2 = c[1_T; 0_T], u_1 = -u_2 = b, c = sqrt(m) T^(3/4),
-    b = sqrt(m) T^(1/4)."""
+    """Solution (1) of Sec. 5, the transferable one: it attains Lemma F.1's bound.
+
+    Q = K = 0 (uniform attention, h = z/T), V_1 = -V_2 = c[1_T; 0_T], u_1 = -u_2 = b, the other
+    neurons 0. Then f = (b c / (m T)) y, so zero loss needs b c = m T, and condition (ii) needs
+    c/T = b/sqrt(T): c = sqrt(m) T^(3/4), b = sqrt(m) T^(1/4), and the trace is exactly
+    (2/m^2)(c^2/T^2 + b^2/T) = 4/(m sqrt(T)).
+    """
     Q, K = zero_attention(T)
     V = torch.zeros(m, 2 * T, dtype=DTYPE)
     u = torch.zeros(m, dtype=DTYPE)
@@ -360,8 +329,13 @@ def fit_u(params, X, y):
 
 
 def random_features_solution(T, m, X, y, seed=0):
-    """Solution (2): Q = K = 0, V_ij ~ N(0, T) i.i.d., u = argmin ||u|| s.t. f = y on the
-    support."""
+    """Solution (2) of Sec. 5, the memorising one: Q = K = 0, V_ij ~ N(0, T) i.i.d. (the paper's
+    N(0, T) makes V_i h = O(1)), u = argmin ||u|| s.t. f = y on the support.
+
+    Zero loss needs m >= rf_min_width(T) = 2T + T C(T,T/2), the rank of the relu features on the
+    support (the linear part has rank 2T, the even part one constraint per +-x pair): 132 at
+    T = 6, hence the default m = 160. Always above the bound, raw and after balancing.
+    """
     g = torch.Generator().manual_seed(seed)
     Q, K = zero_attention(T)
     V = torch.randn(m, 2 * T, generator=g, dtype=DTYPE) * math.sqrt(T)
@@ -371,14 +345,16 @@ def random_features_solution(T, m, X, y, seed=0):
 # -------------------------------------------------------------- flattest search (Thm 5.1's problem)
 def flattest_search_run(T, m, X, y, seed, outer=SEARCH_OUTER, inner=SEARCH_INNER, lr=SEARCH_LR,
                         decay=SEARCH_DECAY):
-    """One run: min Tr/bound s.t. f = y on the support, augmented Lagrangian from a random start.
+    """One run of the search for the flattest zero-loss solution (this code's method, not the
+    paper's): min Tr/bound s.t. f = y on the support, by an augmented Lagrangian.
 
-    Variables are Q, K and V/sqrt(m), u/sqrt(m) (then f = u'^T relu(V'h) has O(1) parameters for
-    Adam).
-    Start: Q, K ~ N(0, 1/d), V ~ N(0, T), u = min-norm least-squares fit (small but nonzero loss).
-    Each round: `inner` Adam steps on Tr_closed/bound + mean(lambda*c) + (mu/2) mean(c^2),
-    c = f - y; then lambda += mu c, mu *= 3, exact balancing. Returns the parameters after the
-    exact u correction and balancing.
+    Start: Q, K ~ N(0, 1/d), V ~ N(0, T), u = the min-norm least-squares fit (not exactly zero
+    loss: random attention breaks interpolation). Variables are Q, K, V/sqrt(m), u/sqrt(m), so Adam
+    sees O(1) parameters. Each round: `inner` Adam steps on
+    Tr_closed/bound + mean(lambda c) + (mu/2) mean(c^2), c = f - y (Tr_closed:
+    `trace_closed_form`); then lambda += mu c, mu *= 3 and an exact balancing step. At the end the
+    minimum-norm correction of u makes the loss exactly 0 (f is linear in u). At the defaults all
+    3 runs end 0.16-0.27 % above the bound (small leftover position components of V).
     """
     g = torch.Generator().manual_seed(seed)
     d = 2 * T
@@ -498,8 +474,18 @@ def downstream_losses(params, Xd, gd, n, draws, seed, chunk=2000):
 
 
 def failure_probability_exact(T, n):
-    """Pr(no g* > 0 or no g* < 0 among n samples) = 2(1-p)^n - q^n, q = C(T,T/2)/2^T = Pr(g*=0),
-    p = (1-q)/2 = Pr(g*>0)."""
+    """Pr(the min-norm head fails) = 2(1-p)^n - q^n, q = C(T,T/2)/2^T = Pr(g* = 0),
+    p = (1-q)/2 = Pr(g* > 0): 0.029621 at T = 6, n = 10.
+
+    If psi attains the bound, attention is uniform on downstream inputs too (uniformity on the
+    support forces x_1^T Q^T K x_j = 0) and, by Lemma F.3 (content rows of V = +-c_i 1_T,
+    confirmed by the search), every active neuron reads relu(+-c_i g*(x)/T): the features span
+    {relu(g*), relu(-g*)}, so u~ = pinv(Phi_S) g*_S is exact iff the n samples contain some
+    g* > 0 AND some g* < 0 (g* = 0 carries no information). Thm 5.1 claims failure <= 2^-n
+    (0.000977 at n = 10): that does not hold here, the exact value is 30x the claim, and it
+    exceeds 2^-n for every n >= 1 and even T >= 6 (1 - p >= 1/2). Even if g* took only the values
+    +-1 (as App. F's proof treats it) failure would be 2^(1-n). `claim_downstream` measures it.
+    """
     q = math.comb(T, T // 2) / 2 ** T
     p = (1 - q) / 2
     return 2 * (1 - p) ** n - q ** n
