@@ -42,8 +42,8 @@ torch.load(weights_only=True), holding all that hessian.py and probe.py need).
   python train.py --lstm-hidden 64 --name h64    # a preset's field replaced: size sweeps (Fig. 2)
   torchrun --nproc_per_node=8 train.py --device cuda --compile --lr 1e-3 ...   # DDP on GPUs
 
-It prints one progress line per log row, e.g.
-  step    1500/3000 | loss 2.9150 | kl 0.0430 | lr 5.3e-03 |  250k tok/s | 0:25 elapsed, ETA 0:25
+It prints one progress line per log row, e.g. (README's first command, one thread):
+  step    3000/6000 | loss 2.8879 | kl 0.0300 | lr 1.0e-02 |   229k tok/s | 1:03 elapsed, ETA 1:03
 Data order and masks are a function of (--seed, step, rank), so a resumed run continues
 bit-for-bit on the same machine (its metrics equal an uninterrupted run's); on another machine
 the numbers differ in the third decimal of KL: one draw from the spread across seeds.
