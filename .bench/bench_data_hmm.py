@@ -83,7 +83,7 @@ def main():
     print(f"torch threads: {torch.get_num_threads()} (shared machine: figures are noisy)")
 
     h = data.HMM.random()
-    tokens, _ = h.sample(args.hmm_n, seed=0)
+    tokens, _, _ = h.sample(args.hmm_n, seed=0)
     t_ours, c = timed(lambda: h.mlm_conditional(tokens), args.repeats)
     t_dense, c2 = timed(lambda: hmm_dense_conditional(h, tokens), args.repeats)
     few = tokens[:10]
