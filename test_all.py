@@ -1546,36 +1546,51 @@ def test_train_extend_const_run_equals_one_longer_run(tmp_path):
     ext = train.train(train.parse_args(["--runs", str(tmp_path), "--name", "ext", "--resume",
                                         "--steps", "40"]))
     assert _train_rows(ext) == _train_rows(long)
-    a, b = _weights(os.path.join(long, "ckpt_0000040.pt")), _weights(os.path.join(ext, "ckpt_0000040.pt"))
+    a = _weights(os.path.join(long, "ckpt_0000040.pt"))
+    b = _weights(os.path.join(ext, "ckpt_0000040.pt"))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_train_decay_branch_equals_warmup_stable_decay_run(tmp_path):
-    """--branch-from CKPT --decay-steps N continues CKPT's run (weights, AdamW moments, data
-    stream) with the lr decayed linearly to 0: the same as one run with --decay-steps N."""
+@pytest.fixture(scope="module")
+def train_const_runs(tmp_path_factory):
+    """Two 40-step constant-lr runs in one folder: "src" (no decay) and "wsd" (decays over its
+    last 20 steps). Returns (runs folder, src run, wsd run)."""
+    runs = tmp_path_factory.mktemp("const")
     common = ("--schedule", "const", "--steps", 40, "--eval-every", 10, "--log-every", 5,
               "--ckpt-every", 10)
-    source = train.train(train.parse_args(_train_args(tmp_path, *common, name="src")))
-    wsd = train.train(train.parse_args(_train_args(tmp_path, *common, "--decay-steps", 20,
+    source = train.train(train.parse_args(_train_args(runs, *common, name="src")))
+    wsd = train.train(train.parse_args(_train_args(runs, *common, "--decay-steps", 20,
                                                    name="wsd")))
+    return runs, source, wsd
+
+
+def test_train_decay_branch_equals_warmup_stable_decay_run(train_const_runs):
+    """--branch-from CKPT --decay-steps N continues CKPT's run (weights, AdamW moments, data
+    stream) with the lr decayed linearly to 0: the same as one run with --decay-steps N."""
+    runs, source, wsd = train_const_runs
     branch = train.train(train.parse_args([
         "--branch-from", os.path.join(source, "ckpt_0000020.pt"), "--decay-steps", "20",
-        "--runs", str(tmp_path), "--log-every", "5"]))
+        "--runs", str(runs), "--log-every", "5"]))
     assert os.path.basename(branch) == "src-from20-decay20"
     rows = _train_rows(branch)
     assert rows == [r for r in _train_rows(wsd) if r["step"] > 20]
     lr = 1e-2   # the lr logged at step s is the one of update s - 1: (40 - (s - 1)) / 20 of lr
     assert [r["lr"] for r in rows] == pytest.approx([lr * (41 - r["step"]) / 20 for r in rows])
-    a, b = _weights(os.path.join(wsd, "ckpt_0000040.pt")), _weights(os.path.join(branch, "ckpt_0000040.pt"))
+    a = _weights(os.path.join(wsd, "ckpt_0000040.pt"))
+    b = _weights(os.path.join(branch, "ckpt_0000040.pt"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     stored = torch.load(os.path.join(branch, "ckpt_0000040.pt"), weights_only=True)["args"]
     assert stored["branch_from"].endswith("ckpt_0000020.pt") and stored["decay_steps"] == 20
-    with pytest.raises(SystemExit, match="already decays"):
-        train.parse_args(["--branch-from", os.path.join(wsd, "ckpt_0000020.pt"),
-                          "--decay-steps", "5"])
-    with pytest.raises(SystemExit, match="keeps its run's arguments"):
-        train.parse_args(["--branch-from", os.path.join(source, "ckpt_0000020.pt"),
-                          "--decay-steps", "5", "--lr", "1"])
+
+
+@pytest.mark.parametrize("run, extra, message", [
+    ("wsd", [], "already decays"),
+    ("src", ["--lr", "1"], "keeps its run's arguments"),
+])
+def test_train_decay_branch_refusals(train_const_runs, run, extra, message):
+    ckpt = os.path.join(train_const_runs[0], run, "ckpt_0000020.pt")
+    with pytest.raises(SystemExit, match=message):
+        train.parse_args(["--branch-from", ckpt, "--decay-steps", "5", *extra])
 
 
 @pytest.mark.parametrize("algo, schedule, decay", [("adamw", "linear", 0), ("sgd", "const", 0),
