@@ -81,6 +81,9 @@ def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
+# ==================================================================================================
+# the paper's objects: downstream data, the linear probe, fine-tuning (App. A.4)
+# ==================================================================================================
 # ----------------------------------------------------------------------------- downstream data
 def check_task(lang, task, where=""):
     """Number of classes of `task` on `lang`; a clear error if the language has no such task."""
@@ -227,6 +230,9 @@ def finetune(model, train_split, test_split, n_classes, seed, epochs=FT_EPOCHS, 
     return torch.cat(correct)
 
 
+# ==================================================================================================
+# plumbing: one checkpoint's row
+# ==================================================================================================
 # ----------------------------------------------------------------------------- one checkpoint
 def mean_std(values):
     """Mean and sample std (ddof=1; None for a single seed) as the paper reports over seeds."""
@@ -291,6 +297,9 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
             "wall_s": round(time.time() - t0, 2)}
 
 
+# ==================================================================================================
+# the summary: statistics that keep flatness from being credited with what the loss explains
+# ==================================================================================================
 # ----------------------------------------------------------------------------- summary: statistics
 # The evidence of §4 is a correlation between flatness and accuracy among models of (nearly) the
 # same pre-training loss. These statistics keep the loss in view (R² on KL beside R² on the trace,
@@ -632,6 +641,9 @@ def plot_summary(table, path):
     print(f"wrote {path}")
 
 
+# ==================================================================================================
+# plumbing: the command line
+# ==================================================================================================
 # ----------------------------------------------------------------------------- CLI
 def main(argv=None):
     p = argparse.ArgumentParser(
