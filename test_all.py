@@ -121,15 +121,22 @@ def test_data_special_ids():
 
 # ------------------------------------------------------------------------------------ PCFG ---
 
-def test_data_pcfg_log_prob_and_conditional_equal_brute_force():
+def test_data_pcfg_log_prob_equals_brute_force():
     g = _data_tiny_pcfg()
     tokens, lengths = _data_batch(_DATA_XS, 6, 3)
     tokens[0, 5] = 0  # garbage beyond the length must be ignored
-    lp, cond = g.log_prob(tokens, lengths), g.mlm_conditional(tokens, lengths)
+    lp = g.log_prob(tokens, lengths)
+    for i, x in enumerate(_DATA_XS):
+        assert abs(lp[i].item() - math.log(_data_brute_inside(g, x)[0])) < 1e-10
+
+
+def test_data_pcfg_conditional_equals_brute_force():
+    g = _data_tiny_pcfg()
+    tokens, lengths = _data_batch(_DATA_XS, 6, 3)
+    tokens[0, 5] = 0  # garbage beyond the length must be ignored
+    cond = g.mlm_conditional(tokens, lengths)
     assert cond.dtype == torch.float64 and cond.shape == (5, 6, 3)
     for i, x in enumerate(_DATA_XS):
-        p, _ = _data_brute_inside(g, x)
-        assert abs(lp[i].item() - math.log(p)) < 1e-10
         for t in range(len(x)):  # one full inside probability per candidate word
             ps = [_data_brute_inside(g, x[:t] + [w] + x[t + 1:])[0] for w in range(3)]
             brute = torch.tensor(ps, dtype=torch.float64) / sum(ps)
@@ -302,7 +309,8 @@ def test_data_pcfg_from_rules_inline():
 
 
 def test_data_pcfg_authors_rules_load_if_present():
-    path = Path(__file__).resolve().parent.parent / "shared" / "data" / "paper_authors_pcfg_rules.txt"
+    shared = Path(__file__).resolve().parent.parent / "shared"
+    path = shared / "data" / "paper_authors_pcfg_rules.txt"
     if not path.exists():
         pytest.skip("authors' grammar not present")
     g = data.PCFG.from_rules(path)
@@ -523,11 +531,13 @@ def test_data_cli_threads_flag(tmp_path):
         torch.set_num_threads(1)
 
 
-def test_data_languages_repr_names_their_size():
-    for lang, expected in ((data.HMM.random(20, 50, n_blocks=2), "HMM(states=20, V=50, T=16, blocks=2)"),
-                           (data.PCFG.from_rules(_DATA_RULES), "PCFG(symbols=4, V=3, max_len=32, "),
-                           (data.TeacherLM(vocab_size=10, length=5), "TeacherLM(V=10, max_len=5, ")):
-        assert repr(lang).startswith(expected) and "object at" not in repr(lang)
+@pytest.mark.parametrize("make, expected", [
+    (lambda: data.HMM.random(20, 50, n_blocks=2), "HMM(states=20, V=50, T=16, blocks=2)"),
+    (lambda: data.PCFG.from_rules(_DATA_RULES), "PCFG(symbols=4, V=3, max_len=32, "),
+    (lambda: data.TeacherLM(vocab_size=10, length=5), "TeacherLM(V=10, max_len=5, ")])
+def test_data_languages_repr_names_their_size(make, expected):
+    lang = make()
+    assert repr(lang).startswith(expected) and "object at" not in repr(lang)
 
 # ===============================================================================================
 # data.py: HMM and teacher LM
@@ -790,14 +800,24 @@ def test_data_teacher_log_prob_matches_reference():
     assert torch.allclose(lm.topic_posterior(tokens, lengths), ref.softmax(1), atol=1e-10)
 
 
-def test_data_teacher_joint_sums_to_one_and_sampling_matches():
-    lm = _data_teacher_tiny()
+def _data_teacher_support(lm):
+    """Every sentence of the tiny teacher (V = 3, length <= 3) and its probability."""
     sents = [list(s) + [data.pad_id(3)] * (3 - L)
              for L in (1, 2, 3) for s in itertools.product(range(3), repeat=L)]
     tokens = torch.tensor(sents)
     lengths = (tokens < 3).sum(1)
     p = _data_teacher_reference_log_joint(lm, tokens, lengths).exp().mean(1)  # uniform topics
+    return sents, p
+
+
+def test_data_teacher_joint_sums_to_one():
+    _, p = _data_teacher_support(_data_teacher_tiny())
     assert abs(float(p.sum()) - 1) < 1e-12  # every sentence (with eos or truncated) counted once
+
+
+def test_data_teacher_sampling_frequencies_match_the_joint():
+    lm = _data_teacher_tiny()
+    sents, p = _data_teacher_support(lm)
     N = 40_000
     sample, slen, _ = lm.sample(N, seed=3)
     assert ((sample >= 3) == (torch.arange(3) >= slen[:, None])).all()  # pad exactly after length
@@ -1180,8 +1200,10 @@ def _train_tiny_lang(tmp_path):
 
 
 def _train_args(tmp_path, *extra, name="run"):
+    """train.py's command line for a tiny run in tmp_path; name=None: the default run name."""
     return ["--lang", _train_tiny_lang(tmp_path), "--preset", "lstm-62k", "--batch", "32",
-            "--eval-n", "100", "--runs", str(tmp_path), "--name", name, *map(str, extra)]
+            "--eval-n", "100", "--runs", str(tmp_path), *([] if name is None else ["--name", name]),
+            *map(str, extra)]
 
 
 def _train_rows(run_dir):
@@ -1287,7 +1309,8 @@ def test_train_ridge_head_equals_direct_solve():
     Y1 = torch.nn.functional.one_hot(torch.randint(4, (12,), generator=g), 4).double()
     alpha = 0.3
     a = alpha * (X1 ** 2).sum(1).mean()
-    phi = torch.linalg.solve(X1.T @ X1 + a * torch.eye(30, dtype=torch.float64), X1.T @ Y1)  # primal
+    eye = torch.eye(30, dtype=torch.float64)
+    phi = torch.linalg.solve(X1.T @ X1 + a * eye, X1.T @ Y1)                    # primal
     torch.testing.assert_close(train.ridge_predict(X1, Y1, X2, alpha), X2 @ phi,
                                rtol=1e-10, atol=1e-10)
     lst = torch.linalg.lstsq(torch.cat([X1, a.sqrt() * torch.eye(30, dtype=torch.float64)]),
@@ -1615,13 +1638,17 @@ def test_train_lr_schedule_matches_formula(tmp_path, algo, schedule, decay):
     assert logged == pytest.approx(expect, rel=1e-12)
 
 
-def test_train_optimizer_groups_and_hyperparameters():
-    """AdamW as App. A.3: betas (0.9, 0.98), eps 1e-6, weight decay on weight matrices and
-    embeddings only (not biases, not LayerNorm); --algo sgd is plain SGD."""
+def _train_tf2m_adamw():
+    """A tf-2m network and its AdamW at --weight-decay 0.05 --lr 0.004: (net, optimizer)."""
     net = model.build(model.config_from_preset("tf-2m", vocab_size=12, pad_id=11, max_len=8))
     args = train.parse_args(["--algo", "adamw", "--weight-decay", "0.05", "--lr", "0.004"])
-    opt = train.make_optimizer(net, args)
-    assert type(opt) is torch.optim.AdamW
+    return net, train.make_optimizer(net, args)
+
+
+def test_train_adamw_weight_decay_groups():
+    """App. A.3: weight decay on weight matrices and embeddings only (not biases, not
+    LayerNorm), every parameter in exactly one group."""
+    net, opt = _train_tf2m_adamw()
     decayed = {id(p) for g in opt.param_groups if g["weight_decay"] == 0.05 for p in g["params"]}
     for name, p in net.named_parameters():
         parts = name.split(".")                                      # LayerNorm: ln_*.weight
@@ -1629,8 +1656,19 @@ def test_train_optimizer_groups_and_hyperparameters():
         assert (id(p) not in decayed) == no_decay, name
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(net.parameters()))
     for g in opt.param_groups:
-        assert g["betas"] == (0.9, 0.98) and g["eps"] == 1e-6 and g["lr"] == 0.004
         assert g["weight_decay"] in (0.0, 0.05)
+
+
+def test_train_adamw_hyperparameters_are_the_papers():
+    """App. A.3: AdamW with betas (0.9, 0.98), eps 1e-6."""
+    _, opt = _train_tf2m_adamw()
+    assert type(opt) is torch.optim.AdamW
+    for g in opt.param_groups:
+        assert g["betas"] == (0.9, 0.98) and g["eps"] == 1e-6 and g["lr"] == 0.004
+
+
+def test_train_sgd_is_plain_sgd():
+    net, _ = _train_tf2m_adamw()
     sgd = train.make_optimizer(net, train.parse_args(["--algo", "sgd", "--lr", "0.004"]))
     assert type(sgd) is torch.optim.SGD
     assert all(g["momentum"] == 0 and g["weight_decay"] == 0 for g in sgd.param_groups)
@@ -1697,7 +1735,8 @@ def test_train_nan_loss_stops_with_last_good_checkpoint(tmp_path, monkeypatch):
                                                  "--eval-every", 5, name="nan")))
     assert sorted(f for f in os.listdir(os.path.join(tmp_path, "nan")) if f.endswith(".pt")) == [
         "ckpt_0000005.pt"]
-    assert torch.load(os.path.join(tmp_path, "nan", "ckpt_0000005.pt"), weights_only=True)["step"] == 5
+    last_good = torch.load(os.path.join(tmp_path, "nan", "ckpt_0000005.pt"), weights_only=True)
+    assert last_good["step"] == 5
 
 
 def test_train_model_size_overrides(tmp_path):
@@ -1705,7 +1744,7 @@ def test_train_model_size_overrides(tmp_path):
     Figs. 2, 5), are stored and compared on --resume (bad values: in
     test_train_bad_flags_are_refused)."""
     argv = _train_args(tmp_path, "--lstm-hidden", 8, "--n-layers", 1, "--steps", 2,
-                       "--eval-every", 2, name=None)[:-2]
+                       "--eval-every", 2, name=None)
     run = train.train(train.parse_args(argv))
     assert os.path.basename(run) == "tiny_hmm-lstm-62k-l1-h8-adamw-s0"
     ckpt = torch.load(os.path.join(run, "ckpt_0000002.pt"), weights_only=True)
@@ -1733,37 +1772,64 @@ def _train_source(tmp_path, name, *extra):
     return os.path.join(run, "ckpt_0000002.pt")
 
 
-def test_train_grow_from_writes_exact_step_0_and_trains_on(tmp_path, monkeypatch):
-    """--grow-from (App. B.1.3): step 0 of the new run is the grown source, with the source's
-    eval KL; it loads in hessian.py and probe.py; training on resumes bit-for-bit."""
+@pytest.fixture(scope="module")
+def train_grown_runs(tmp_path_factory):
+    """Two 2-step sources, "lstm" and "tf", each grown by --grow-from into a step-0 run, all in
+    one folder. Returns (runs folder, {source: (source checkpoint, grown run, width, layers)})."""
+    runs = tmp_path_factory.mktemp("grown")
+    grown = {}
     for src, extra, width, layers in [
-            (_train_source(tmp_path, "lstm", "--lstm-hidden", 8, "--n-layers", 1), (), 2, 0),
-            (_train_source(tmp_path, "tf", "--preset", "tf-2m", "--n-layers", 1),
+            (_train_source(runs, "lstm", "--lstm-hidden", 8, "--n-layers", 1), (), 2, 0),
+            (_train_source(runs, "tf", "--preset", "tf-2m", "--n-layers", 1),
              ("--grow-width", 1, "--grow-layers", 1), 1, 1)]:
-        grow = ["--grow-from", src, *extra, "--batch", 32, "--eval-n", 100, "--runs", tmp_path]
+        grow = ["--grow-from", src, *extra, "--batch", 32, "--eval-n", 100, "--runs", runs]
         run = train.train(train.parse_args(list(map(str, grow + ["--steps", 0]))))
-        assert os.path.basename(run) == f"{os.path.basename(os.path.dirname(src))}-ckpt_0000002-grow-w{width}-l{layers}"
-        assert train.list_checkpoints(run) == [os.path.join(run, "ckpt_0000000.pt")]
-        small, source, lang = train.load_checkpoint(src)
-        big, ckpt, lang2 = train.load_checkpoint(os.path.join(run, "ckpt_0000000.pt"))
-        assert set(ckpt) == set(source) and ckpt["step"] == 0 and ckpt["kind"] == "mlm"
-        assert ckpt["language"] == source["language"] and ckpt["args"]["grow_from"] == src
-        assert ckpt["model_config"] == dataclasses.asdict(model.grow(small, width, layers).config)
-        ev = train.make_eval_set(lang, 100)
-        row, kl_small = _train_rows(run)[0], train.evaluate(small, ev, 10)["kl"]
-        assert row["step"] == 0 and abs(row["kl"] - kl_small) < 1e-6, (row, kl_small)
-        assert row["kl"] == train.evaluate(big, ev, 10)["kl"]
-    # the grown LSTM loads where hessian.py and probe.py load checkpoints
-    path = os.path.join(tmp_path, "lstm-ckpt_0000002-grow-w2-l0", "ckpt_0000000.pt")
-    hessian.main([path, "--sentences", "8", "--samples", "2", "--repeats", "2", "--hvp-sentences", "4",
-                  "--eig-iters", "2"])
+        grown[os.path.basename(os.path.dirname(src))] = (src, run, width, layers)
+    return runs, grown
+
+
+@pytest.mark.parametrize("source_run", ["lstm", "tf"])
+def test_train_grow_from_step_0_is_the_grown_source(train_grown_runs, source_run):
+    """--grow-from (App. B.1.3): step 0 of the new run is the grown source, with the source's
+    eval KL."""
+    src, run, width, layers = train_grown_runs[1][source_run]
+    assert os.path.basename(run) == f"{source_run}-ckpt_0000002-grow-w{width}-l{layers}"
+    assert train.list_checkpoints(run) == [os.path.join(run, "ckpt_0000000.pt")]
+    small, source, lang = train.load_checkpoint(src)
+    big, ckpt, lang2 = train.load_checkpoint(os.path.join(run, "ckpt_0000000.pt"))
+    assert set(ckpt) == set(source) and ckpt["step"] == 0 and ckpt["kind"] == "mlm"
+    assert ckpt["language"] == source["language"] and ckpt["args"]["grow_from"] == src
+    assert ckpt["model_config"] == dataclasses.asdict(model.grow(small, width, layers).config)
+    ev = train.make_eval_set(lang, 100)
+    row, kl_small = _train_rows(run)[0], train.evaluate(small, ev, 10)["kl"]
+    assert row["step"] == 0 and abs(row["kl"] - kl_small) < 1e-6, (row, kl_small)
+    assert row["kl"] == train.evaluate(big, ev, 10)["kl"]
+
+
+def _train_grown_lstm_checkpoint(train_grown_runs):
+    return os.path.join(train_grown_runs[0], "lstm-ckpt_0000002-grow-w2-l0", "ckpt_0000000.pt")
+
+
+def test_train_grown_checkpoint_loads_in_hessian(train_grown_runs):
+    path = _train_grown_lstm_checkpoint(train_grown_runs)
+    hessian.main([path, "--sentences", "8", "--samples", "2", "--repeats", "2",
+                  "--hvp-sentences", "4", "--eig-iters", "2"])
     with open(os.path.join(os.path.dirname(path), "hessian.jsonl")) as f:
         assert math.isfinite(json.loads(f.readline())["trace"])
+
+
+def test_train_grown_checkpoint_loads_in_probe(train_grown_runs):
+    path = _train_grown_lstm_checkpoint(train_grown_runs)
     row = probe.probe_checkpoint(path, "3", n_train=20, n_test=10, n_seeds=1, epochs=1)
     assert row["step"] == 0 and 0 <= row["acc"] <= 1
-    # training on from step 0 (fresh optimizer): interrupted at once, resumed == uninterrupted
-    src = os.path.join(tmp_path, "lstm", "ckpt_0000002.pt")
-    common = ["--grow-from", src, "--batch", "32", "--eval-n", "100", "--runs", str(tmp_path),
+
+
+def test_train_grow_from_resume_equals_uninterrupted(train_grown_runs, monkeypatch):
+    """Training on from step 0 (fresh optimizer): interrupted at once, resumed ==
+    uninterrupted."""
+    runs, grown = train_grown_runs
+    src = grown["lstm"][0]
+    common = ["--grow-from", src, "--batch", "32", "--eval-n", "100", "--runs", str(runs),
               "--steps", "4", "--eval-every", "2"]
     full = train.train(train.parse_args(common + ["--name", "full"]))
     assert [r["step"] for r in _train_rows(full) if "kl" in r] == [0, 2, 4]
@@ -1776,19 +1842,35 @@ def test_train_grow_from_writes_exact_step_0_and_trains_on(tmp_path, monkeypatch
     assert _train_rows(cut) == _train_rows(full)
 
 
-def test_train_grow_from_errors(tmp_path):
-    src = _train_source(tmp_path, "src", "--lstm-hidden", 8, "--n-layers", 1)
-    for argv, match in [(["--grow-width", "3"], None), (["--grow-from", src, "--preset", "tf-2m"], None),
-                        (["--grow-from", src, "--lang", "pcfg"], None)]:
-        with pytest.raises(SystemExit):                               # argparse: usage + message
-            train.parse_args(argv + ["--runs", str(tmp_path)])
-    for extra, match in [(["--grow-layers", "1"], "not supported for an LSTM"),
-                         (["--grow-width", "0"], "--grow-width must be >= 1"),
-                         (["--algo", "lookup"], "--algo lookup has none")]:
-        with pytest.raises(SystemExit, match=match):
-            train.train(train.parse_args(["--grow-from", src, "--runs", str(tmp_path), *extra]))
-    with pytest.raises(SystemExit, match="no checkpoint file"):
-        train.train(train.parse_args(["--grow-from", src + "x", "--runs", str(tmp_path)]))
+def _train_with_lstm_source(argv, train_grown_runs):
+    """argv with SRC replaced by the 2-step LSTM source checkpoint of train_grown_runs."""
+    return [a.replace("SRC", train_grown_runs[1]["lstm"][0]) for a in argv]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--grow-width", "3"],
+    ["--grow-from", "SRC", "--preset", "tf-2m"],
+    ["--grow-from", "SRC", "--lang", "pcfg"],
+])
+def test_train_grow_flags_that_conflict_are_usage_errors(train_grown_runs, tmp_path, argv):
+    argv = _train_with_lstm_source(argv, train_grown_runs)
+    with pytest.raises(SystemExit):                               # argparse: usage + message
+        train.parse_args(argv + ["--runs", str(tmp_path)])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--grow-from", "SRC", "--grow-layers", "1"], "not supported for an LSTM"),
+    (["--grow-from", "SRC", "--grow-width", "0"], "--grow-width must be >= 1"),
+    (["--grow-from", "SRC", "--algo", "lookup"], "--algo lookup has none"),
+    (["--grow-from", "SRCx"], "no checkpoint file"),
+])
+def test_train_grow_from_refuses_bad_arguments(train_grown_runs, tmp_path, argv, message):
+    argv = _train_with_lstm_source(argv, train_grown_runs)
+    with pytest.raises(SystemExit, match=message):
+        train.train(train.parse_args(argv + ["--runs", str(tmp_path)]))
+
+
+def test_train_grow_from_a_lookup_table_is_refused(tmp_path):
     lookup = train.train(train.parse_args(_train_args(tmp_path, "--algo", "lookup", name="lk")))
     with pytest.raises(SystemExit, match="'lookup' checkpoint has no network"):
         train.train(train.parse_args(["--grow-from", os.path.join(lookup, "ckpt_0000000.pt"),
@@ -1800,7 +1882,10 @@ def test_train_grow_from_errors(tmp_path):
 
 def _hessian_net(arch, V=5, T=7, seed=0, **sizes):
     """A small model.py network with weights spread out (N(0, 0.02) logits are nearly uniform)."""
-    fields = dict(n_heads=1, n_layers=1) if arch == "transformer" else dict(lstm_hidden=3, n_layers=2)
+    if arch == "transformer":
+        fields = dict(n_heads=1, n_layers=1)
+    else:
+        fields = dict(lstm_hidden=3, n_layers=2)
     config = model.ModelConfig(vocab_size=V + data.N_SPECIAL, pad_id=data.pad_id(V), max_len=T,
                                arch=arch, **{**fields, **sizes})
     torch.manual_seed(seed)
@@ -1907,14 +1992,26 @@ def test_hessian_fisher_gap_equals_exact_hessian_minus_fisher():
     assert abs(zero) < 1e-6                                  # at p* = p_θ there is no gap
 
 
-def test_hessian_top_eigenvalue_and_sam_against_full_hessian():
+@pytest.fixture(scope="module")
+def hessian_full_lstm():
+    """A 1-layer LSTM, a batch and its full Hessian: (net, inputs, targets, positions, H)."""
     net = _hessian_net("lstm", lstm_hidden=3, n_layers=1)
     inputs, targets, positions = _hessian_batch(n=8)
     H = hessian.exact_hessian(net, inputs, positions, targets).double()
+    return net, inputs, targets, positions, H
+
+
+def test_hessian_top_eigenvalue_matches_eigvalsh(hessian_full_lstm):
+    net, inputs, targets, positions, H = hessian_full_lstm
     eigs = torch.linalg.eigvalsh((H + H.T) / 2)
     top = eigs.max().item()
-    assert abs(hessian.top_eigenvalue(net, inputs, positions, targets, n_iter=30) - top) < 1e-3 * abs(top)
-    # SAM: L(θ + ρ ĝ) - L(θ) = ρ‖g‖ + ½ρ² ĝᵀHĝ + O(ρ³), ĝ = g/‖g‖
+    lanczos = hessian.top_eigenvalue(net, inputs, positions, targets, n_iter=30)
+    assert abs(lanczos - top) < 1e-3 * abs(top)
+
+
+def test_hessian_sam_sharpness_matches_its_taylor_expansion(hessian_full_lstm):
+    """SAM: L(θ + ρ ĝ) - L(θ) = ρ‖g‖ + ½ρ² ĝᵀHĝ + O(ρ³), ĝ = g/‖g‖."""
+    net, inputs, targets, positions, H = hessian_full_lstm
     params = [p for p in net.parameters() if p.requires_grad]
     g = torch.cat([x.reshape(-1) for x in torch.autograd.grad(
         hessian.pretraining_loss(net, inputs, positions, targets), params)]).double()
@@ -1939,13 +2036,15 @@ def test_hessian_top_eigenvalue_is_the_largest_of_an_indefinite_hessian():
     assert abs(lo / lowest - 1) < 1e-6 and abs(hi / top - 1) < 1e-6
 
 
-def test_hessian_trace_rejects_bad_input():
+@pytest.mark.parametrize("n_positions, kwargs, message", [
+    (3, dict(n_repeats=1), "n_repeats"),
+    (2, dict(), "positions"),                                # 3 sentences, 2 positions
+])
+def test_hessian_trace_rejects_bad_input(n_positions, kwargs, message):
     net = _hessian_net("transformer")
     inputs, _, positions = _hessian_batch(n=3)
-    with pytest.raises(ValueError, match="n_repeats"):
-        hessian.trace_hessian(net, inputs, positions, n_repeats=1)
-    with pytest.raises(ValueError, match="positions"):
-        hessian.trace_hessian(net, inputs, positions[:2])
+    with pytest.raises(ValueError, match=message):
+        hessian.trace_hessian(net, inputs, positions[:n_positions], **kwargs)
 
 
 # ----------------------------------------------------------------------------- §3 theory
@@ -2021,19 +2120,33 @@ def test_hessian_cli_writes_one_row_per_checkpoint(tmp_path, capsys):
     assert json.loads(lines[-1]) == row
 
 
-def test_hessian_cli_cpu_defaults_paper_switch_and_device(tmp_path, capsys):
+def _hessian_cli_settings(*argv):
+    """(sentences, samples, repeats, hvp_sentences, eig_iters) as hessian.py parses argv."""
+    a = hessian.parse_args(list(argv))
+    return (a.sentences, a.samples, a.repeats, a.hvp_sentences, a.eig_iters)
+
+
+def test_hessian_cli_defaults_are_cpu_sized(tmp_path):
     path = str(_hessian_checkpoint(tmp_path))
-    settings = lambda a: (a.sentences, a.samples, a.repeats, a.hvp_sentences, a.eig_iters)
-    args = hessian.parse_args([path])
-    assert settings(args) == (300, 10, 5, 100, 10) and args.device == "cpu"
-    assert settings(hessian.parse_args([path, "--paper"])) == (10_000, 50, 5, 1000, 20)
-    assert settings(hessian.parse_args([path, "--paper", "--samples", "7", "--eig-iters", "3"])) \
+    assert _hessian_cli_settings(path) == (300, 10, 5, 100, 10)
+    assert hessian.parse_args([path]).device == "cpu"
+    assert _hessian_cli_settings(path, "--sentences", "40")[:2] == (40, 10)
+
+
+def test_hessian_cli_paper_flag_sets_the_papers_sizes(tmp_path):
+    path = str(_hessian_checkpoint(tmp_path))
+    assert _hessian_cli_settings(path, "--paper") == (10_000, 50, 5, 1000, 20)
+    assert _hessian_cli_settings(path, "--paper", "--samples", "7", "--eig-iters", "3") \
         == (10_000, 7, 5, 1000, 3)                             # explicit flags win over --paper
-    assert settings(hessian.parse_args([path, "--sentences", "40"]))[:2] == (40, 10)
-    if not torch.cuda.is_available():
-        with pytest.raises(SystemExit):
-            hessian.parse_args([path, "--device", "cuda"])
-        assert "--device cuda" in capsys.readouterr().err
+
+
+def test_hessian_cli_refuses_cuda_on_a_machine_without_it(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    path = str(_hessian_checkpoint(tmp_path))
+    with pytest.raises(SystemExit):
+        hessian.parse_args([path, "--device", "cuda"])
+    assert "--device cuda" in capsys.readouterr().err
 
 
 def test_hessian_cli_skips_lookup_table(tmp_path, capsys):
@@ -2048,7 +2161,8 @@ def test_hessian_cli_skips_lookup_table(tmp_path, capsys):
 # ===============================================================================================
 
 def _probe_separable(n, d, n_classes, seed, margin=0.5):
-    """Gaussian points labelled by a known linear rule, points near a boundary dropped: the rule itself is 100%."""
+    """Gaussian points labelled by a known linear rule, points near a boundary dropped: the rule
+    itself is 100%."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(3 * n, d, generator=g)
     w = torch.randn(d, n_classes, generator=g)
@@ -2056,7 +2170,7 @@ def _probe_separable(n, d, n_classes, seed, margin=0.5):
     top2 = s.topk(2, dim=1).values
     keep = (top2[:, 0] - top2[:, 1]) > margin
     x, y = x[keep][:n], s[keep][:n].argmax(1)
-    assert len(y) == n and (x @ w).argmax(1).eq(y).all()          # the oracle separates them exactly
+    assert len(y) == n and (x @ w).argmax(1).eq(y).all()    # the oracle separates them exactly
     return x, y
 
 
@@ -2064,9 +2178,10 @@ def test_probe_linear_probe_learns_separable_task():
     x, y = _probe_separable(2500, 16, 3, seed=0)
     acc = probe.linear_probe(x[500:], y[500:], x[:500], y[:500], 3, seed=0).float().mean()
     assert acc >= 0.98, acc
-    # Without projection the head sees 16 numbers; at the paper's fixed lr 1e-3 a logit moves by about
-    # lr * sum|x_i| per step, so 16 features converge slowly (~0.90 after 100 epochs here). Real features
-    # are T*d wide: 32 copies of each feature (512 columns, same information) stand in for that width.
+    # Without projection the head sees 16 numbers; at the paper's fixed lr 1e-3 a logit moves by
+    # about lr * sum|x_i| per step, so 16 features converge slowly (~0.90 after 100 epochs here).
+    # Real features are T*d wide: 32 copies of each feature (512 columns, same information) stand
+    # in for that width.
     xw = x.repeat(1, 32)
     acc = probe.linear_probe(xw[500:], y[500:], xw[:500], y[:500], 3, seed=0,
                              proj_dim=None).float().mean()
@@ -2077,21 +2192,30 @@ def test_probe_linear_probe_random_labels_is_chance():
     g = torch.Generator().manual_seed(1)
     n_train, n_test, C = 400, 2000, 4
     x = torch.randn(n_train + n_test, 64, generator=g)
-    y = torch.randint(0, C, (n_train + n_test,), generator=g)    # independent of x: Bayes accuracy 1/C
+    y = torch.randint(0, C, (n_train + n_test,), generator=g)  # independent of x: Bayes acc. 1/C
     acc = probe.linear_probe(x[n_test:], y[n_test:], x[:n_test], y[:n_test], C, seed=0,
                              epochs=30).float().mean().item()
-    sigma = math.sqrt((1 / C) * (1 - 1 / C) / n_test)              # binomial std of a chance classifier
+    sigma = math.sqrt((1 / C) * (1 - 1 / C) / n_test)        # binomial std of a chance classifier
     assert abs(acc - 1 / C) < 4 * sigma, acc
 
 
-def test_probe_projection_fixed_per_seed_and_shape():
-    R0 = probe.gaussian_projection(300, probe.PROJ_DIM, torch.Generator().manual_seed(0))
-    R0b = probe.gaussian_projection(300, probe.PROJ_DIM, torch.Generator().manual_seed(0))
-    R1 = probe.gaussian_projection(300, probe.PROJ_DIM, torch.Generator().manual_seed(1))
-    assert R0.shape == (300, 512)
+def _probe_projection(seed):
+    return probe.gaussian_projection(300, probe.PROJ_DIM, torch.Generator().manual_seed(seed))
+
+
+def test_probe_projection_is_fixed_by_its_seed():
+    R0, R0b, R1 = _probe_projection(0), _probe_projection(0), _probe_projection(1)
     assert torch.equal(R0, R0b) and not torch.equal(R0, R1)
+
+
+def test_probe_projection_is_d_by_512_of_n_0_1_over_512():
+    R0 = _probe_projection(0)
+    assert R0.shape == (300, 512)
     assert abs(R0.mean().item()) < 0.01 * 512 ** -0.5 * 20        # N(0, 1/512): 153,600 draws
     assert abs(R0.var().item() * 512 - 1) < 0.02
+
+
+def test_probe_linear_probe_is_fixed_by_its_seed():
     x, y = _probe_separable(600, 20, 3, seed=2)                    # same seed -> identical probe
     a = [probe.linear_probe(x[200:], y[200:], x[:200], y[:200], 3, seed=s, epochs=3).float().mean()
          for s in (5, 5)]
@@ -2104,12 +2228,14 @@ def _probe_tiny_hmm():
 
 
 def _probe_brute_posterior(lang, tokens, k):
-    """Pr(h_k = h | x) [n, S] by enumerating every hidden path (independent of data.py's forward-backward)."""
+    """Pr(h_k = h | x) [n, S] by enumerating every hidden path (independent of data.py's
+    forward-backward)."""
     A, Tm, E = (np.asarray(m, dtype=np.float64) for m in (lang.init, lang.trans, lang.emit))
     S, T = len(A), tokens.shape[1]
     hs = np.array(list(itertools.product(range(S), repeat=T)))                    # (S^T, T)
     x = tokens.numpy()
-    lp = np.log(A[hs[:, 0]])[None] + sum(np.log(Tm[hs[:, t - 1], hs[:, t]]) for t in range(1, T))[None]
+    transitions = sum(np.log(Tm[hs[:, t - 1], hs[:, t]]) for t in range(1, T))
+    lp = np.log(A[hs[:, 0]])[None] + transitions[None]
     lp = lp + sum(np.log(E[hs[None, :, t], x[:, None, t]]) for t in range(T))    # (n, S^T)
     w = np.exp(lp - lp.max(1, keepdims=True))
     w /= w.sum(1, keepdims=True)
@@ -2118,20 +2244,20 @@ def _probe_brute_posterior(lang, tokens, k):
 
 def test_probe_lookup_table_reaches_bayes_accuracy():
     lang, k, n_test = _probe_tiny_hmm(), 3, 1000
-    tok, lens, y = lang.task_data(str(k), 3000, seed=0, label="sampled")          # the state actually drawn
-    x = probe.concat_features(train.LookupTable(lang), tok, lens)                  # true conditionals (n, T*V)
+    tok, lens, y = lang.task_data(str(k), 3000, seed=0, label="sampled")  # the state drawn
+    x = probe.concat_features(train.LookupTable(lang), tok, lens)   # true conditionals (n, T*V)
     acc = probe.linear_probe(x[n_test:], y[n_test:], x[:n_test], y[:n_test], 2, seed=0,
                              epochs=50).float().mean().item()
     post = _probe_brute_posterior(lang, tok[:n_test], k)
-    bayes = (post.argmax(1) == y[:n_test].numpy()).mean()        # the Bayes classifier's accuracy on this test set
+    bayes = (post.argmax(1) == y[:n_test].numpy()).mean()   # the Bayes classifier on this test set
     majority = np.bincount(y[:n_test].numpy()).max() / n_test
-    assert abs(post.max(1).mean() - bayes) < 0.04                 # E[max posterior] agrees (sanity of the oracle)
-    assert bayes > majority + 0.25                                # the task is far from trivial
-    assert bayes - 0.02 <= acc <= bayes + 0.02, (acc, bayes)      # no classifier beats Bayes beyond noise
+    assert abs(post.max(1).mean() - bayes) < 0.04     # E[max posterior] agrees (oracle's sanity)
+    assert bayes > majority + 0.25                    # the task is far from trivial
+    assert bayes - 0.02 <= acc <= bayes + 0.02, (acc, bayes)  # none beats Bayes beyond noise
 
 
-def _probe_run_dir(tmp_path, name, steps, traces, accs, tasks=("C",), n_correct=None, kls=None,
-                   language="L", n_train=10):
+def _probe_run_dir(tmp_path, name, steps, traces, accs, tasks=("C",), n_correct=None,
+                   kls=None, language="L", n_train=10):
     """A run directory as train/hessian/probe.py leave it, with chosen numbers."""
     run = tmp_path / name
     run.mkdir()
@@ -2140,9 +2266,10 @@ def _probe_run_dir(tmp_path, name, steps, traces, accs, tasks=("C",), n_correct=
     kls = [1 / s for s in steps] if kls is None else kls
     with open(run / "metrics.jsonl", "w") as f:
         for s, kl in zip(steps, kls):
-            f.write(json.dumps({"step": s, "loss": 3.5, "lr": 1e-3, "tokens_per_s": 1.0, "wall": 1.0}) + "\n")
-            f.write(json.dumps({"step": s, "loss": 3.5, "lr": 1e-3, "tokens_per_s": 1.0, "wall": 1.0,
-                                "eval_loss": 3.2 + kl, "entropy": 3.2, "kl": kl, "kl_se": 0.001}) + "\n")
+            log = {"step": s, "loss": 3.5, "lr": 1e-3, "tokens_per_s": 1.0, "wall": 1.0}
+            f.write(json.dumps(log) + "\n")
+            f.write(json.dumps({**log, "eval_loss": 3.2 + kl, "entropy": 3.2, "kl": kl,
+                                "kl_se": 0.001}) + "\n")
     with open(run / "hessian.jsonl", "w") as f:
         for s, t in zip(steps, traces):
             f.write(json.dumps({"ckpt": f"ckpt_{s:07d}.pt", "step": s, "trace": t, "trace_std": 0.1,
@@ -2150,10 +2277,11 @@ def _probe_run_dir(tmp_path, name, steps, traces, accs, tasks=("C",), n_correct=
     with open(run / "probe.jsonl", "w") as f:
         for task in tasks:
             for i, (s, a) in enumerate(zip(steps, accs)):
+                counts = None if n_correct is None else n_correct[i]
                 f.write(json.dumps({"ckpt": f"ckpt_{s:07d}.pt", "step": s, "task": task,
                                     "method": "linear", "acc": a, "acc_std": 0.01,
                                     "n_train": n_train, "seeds": [0, 1],
-                                    "n_correct": None if n_correct is None else n_correct[i]}) + "\n")
+                                    "n_correct": counts}) + "\n")
     return str(run)
 
 
@@ -2189,40 +2317,73 @@ def test_probe_partial_r2_equals_extra_sum_of_squares():
         assert sign == np.sign(beta[2]) == np.sign(coef)
 
 
-def test_probe_paired_difference_exact_and_bootstrap():
-    """The paired accuracy difference on shared test sentences and its standard error agree
-    with numpy's variance of the per-sentence differences and with a bootstrap over sentences."""
+def _probe_paired_counts():
+    """Correct-answer counts out of 3 seeds on 2000 shared test sentences, for two checkpoints
+    whose counts are correlated: (rng, n, seeds, a, b, paired_difference's (d, se))."""
     rng = np.random.default_rng(2)
     n, seeds = 2000, 3
     a = rng.binomial(seeds, 0.7, size=n)
     b = np.clip(a + rng.choice([-1, 0, 0, 0, 1, 1], size=n), 0, seeds)   # correlated with a
-    d, se = probe.paired_difference(a.tolist(), b.tolist(), seeds)
+    return rng, n, seeds, a, b, probe.paired_difference(a.tolist(), b.tolist(), seeds)
+
+
+def test_probe_paired_difference_matches_numpy():
+    """The paired accuracy difference on shared test sentences and its standard error agree
+    with numpy's variance of the per-sentence differences."""
+    _, n, seeds, a, b, (d, se) = _probe_paired_counts()
     assert d == pytest.approx(b.mean() / seeds - a.mean() / seeds, abs=1e-12)
     assert se == pytest.approx(np.sqrt(np.var((b - a) / seeds, ddof=1) / n), rel=1e-12)
+
+
+def test_probe_paired_se_agrees_with_a_bootstrap_over_sentences():
+    rng, n, seeds, a, b, (_, se) = _probe_paired_counts()
     idx = rng.integers(0, n, size=(2000, n))
     boot = ((b[idx] - a[idx]) / seeds).mean(1)
     assert boot.std() == pytest.approx(se, rel=0.1)
+
+
+def test_probe_pairing_lowers_the_se():
+    _, n, seeds, a, b, (_, se) = _probe_paired_counts()
     unpaired = np.sqrt((np.var(a / seeds) + np.var(b / seeds)) / n)
     assert se < 0.8 * unpaired                          # pairing removes the shared test noise
+
+
+def test_probe_mean_se_closed_form():
     assert probe.mean_se([0.01, 0.03, 0.02]) == pytest.approx((0.02, 0.01 / math.sqrt(3)))
+
+
+def test_probe_paired_difference_refuses_other_test_sentences():
     with pytest.raises(ValueError, match="same test sentences"):
         probe.paired_difference([1, 2], [1, 2, 3], 3)
 
 
-def test_probe_summary_join_columns_and_groups(tmp_path, capsys):
-    steps, traces, accs = [100, 200, 300, 400], [5.0, 4.0, 3.5, 3.0], [0.60, 0.64, 0.65, 0.70]
-    r1 = _probe_run_dir(tmp_path, "r1", steps, traces, accs, tasks=("C", "B"))
+_PROBE_R1 = dict(steps=[100, 200, 300, 400], traces=[5.0, 4.0, 3.5, 3.0],
+                 accs=[0.60, 0.64, 0.65, 0.70])
+
+
+def _probe_two_runs(tmp_path):
+    """Run r1 (_PROBE_R1: 4 checkpoints, tasks C and B) and r2 (1 checkpoint, task C)."""
+    r1 = _probe_run_dir(tmp_path, "r1", **_PROBE_R1, tasks=("C", "B"))
     r2 = _probe_run_dir(tmp_path, "r2", [500], [2.0], [0.75], tasks=("C",))
-    csv_path = str(tmp_path / "s.csv")
-    columns, table = probe.summary_table([r1, r2])
+    return r1, r2
+
+
+def test_probe_summary_table_joins_the_runs_files(tmp_path):
+    columns, table = probe.summary_table(_probe_two_runs(tmp_path))
     assert columns == ["run", "step", "eval_loss", "entropy", "kl", "kl_se", "trace", "trace_std",
                        "top_eigenvalue", "min_eigenvalue", "sam_sharpness", "linear_C_acc",
                        "linear_C_acc_std", "linear_B_acc", "linear_B_acc_std"]
+    steps = _PROBE_R1["steps"]
     assert [(r["run"], r["step"]) for r in table] == [("r1", s) for s in steps] + [("r2", 500)]
     assert table[1]["kl"] == pytest.approx(1 / 200) and table[1]["trace"] == 4.0
     assert table[4]["linear_B_acc"] is None                        # r2 has no task-B probe
-    probe.print_summary(columns, table, csv_path)
+
+
+def test_probe_summary_prints_r2_per_group(tmp_path, capsys):
+    columns, table = probe.summary_table(_probe_two_runs(tmp_path))
+    probe.print_summary(columns, table, str(tmp_path / "s.csv"))
     out = capsys.readouterr().out
+    steps, traces, accs = _PROBE_R1["steps"], _PROBE_R1["traces"], _PROBE_R1["accs"]
     r2_trace, slope = probe.regression(traces, accs)
     assert slope < 0 and f"r1 (4 checkpoints): {r2_trace:.3f} (-) |" in out
     kl = [1 / s for s in steps]
@@ -2230,16 +2391,26 @@ def test_probe_summary_join_columns_and_groups(tmp_path, capsys):
     assert f"| {np.corrcoef(np.log(kl), accs)[0, 1] ** 2:.3f} (-) |" in out
     assert "r2: needs >= 3 checkpoints" in out                     # groups are not pooled away
     assert f"pooled over groups (5 checkpoints): " in out
+
+
+def test_probe_summary_csv_holds_the_table(tmp_path, capsys):
+    columns, table = probe.summary_table(_probe_two_runs(tmp_path))
+    csv_path = str(tmp_path / "s.csv")
+    probe.print_summary(columns, table, csv_path)
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == columns and len(rows) == 5 and rows[4]["linear_B_acc"] == ""
+
+
+def test_probe_summary_min_step_drops_earlier_checkpoints(tmp_path):
+    r1, _ = _probe_two_runs(tmp_path)
     columns, table = probe.summary_table([r1], min_step=300)
     assert [r["step"] for r in table] == [300, 400]
 
 
-def test_probe_summary_paired_comparison_across_seeds(tmp_path, capsys):
-    """--compare pairs checkpoints of the same training seed (runs GROUP-sSEED) on the same test
-    sentences; `kl` picks B's checkpoint of nearest KL and says whether it is matched."""
+def _probe_seeded_runs(tmp_path):
+    """Groups e1 (steps 1000, 2000) and slow (step 5000), 3 training seeds each, with per-sentence
+    counts on 400 shared test sentences: (runs, e1's paired differences (d, se) per seed)."""
     rng = np.random.default_rng(3)
     n = 400
     runs, expect = [], []
@@ -2252,6 +2423,13 @@ def test_probe_summary_paired_comparison_across_seeds(tmp_path, capsys):
         expect.append(probe.paired_difference(base, late, 2))
         runs.append(_probe_run_dir(tmp_path, f"slow-s{seed}", [5000], [9.0], [0.5],
                                    n_correct=[[1] * n], kls=[0.0201]))
+    return runs, expect
+
+
+def test_probe_summary_paired_comparison_across_seeds(tmp_path, capsys):
+    """--compare pairs checkpoints of the same training seed (runs GROUP-sSEED) on the same test
+    sentences; `kl` picks B's checkpoint of nearest KL and says whether it is matched."""
+    runs, expect = _probe_seeded_runs(tmp_path)
     columns, table = probe.summary_table(runs)
     probe.print_summary(columns, table, comparisons=[("e1@1000", "e1@last")])
     out = capsys.readouterr().out
@@ -2265,27 +2443,34 @@ def test_probe_summary_paired_comparison_across_seeds(tmp_path, capsys):
     assert "next-best B@1000" in out
     glob = probe.compare(table, "linear_C_acc", "slow@last", "e*@kl")       # groups by glob
     assert glob[1:] == probe.compare(table, "linear_C_acc", "slow@last", "e1@kl")[1:]
-    with pytest.raises(ValueError, match="no training seed"):
-        probe.compare(table, "linear_C_acc", "e1@last", "nope@last")
-    with pytest.raises(ValueError, match="no probed checkpoint at step 7"):
-        probe.compare(table, "linear_C_acc", "e1@7", "slow@last")
 
 
-def test_probe_summary_refuses_mixed_or_empty_runs(tmp_path):
-    a = _probe_run_dir(tmp_path, "a", [1], [1.0], [0.5])
-    b = _probe_run_dir(tmp_path, "b", [1], [1.0], [0.5], language="other")
-    c = _probe_run_dir(tmp_path, "c", [1], [1.0], [0.5], n_train=20)
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    for runs, message in [([a, b], "b and a are trained on different languages"),
-                          ([a, c], "c: its probe.py linear_C rows were measured with other "
-                                   "settings than a's (n_train 20 vs 10)"),
-                          ([a, str(empty)], "empty has no hessian.jsonl or probe.jsonl rows"),
-                          ([str(tmp_path / "nope")], "not a run directory")]:
-        with pytest.raises(ValueError, match=re.escape(message)):
-            probe.summary_table(runs)
-    with pytest.raises(SystemExit):
-        probe.main(["--summary", a, "--csv", str(tmp_path)])         # a folder, not a file
+@pytest.mark.parametrize("a, b, message", [
+    ("e1@last", "nope@last", "no training seed"),
+    ("e1@7", "slow@last", "no probed checkpoint at step 7"),
+])
+def test_probe_compare_refuses_what_is_not_in_the_table(tmp_path, a, b, message):
+    _, table = probe.summary_table(_probe_seeded_runs(tmp_path)[0])
+    with pytest.raises(ValueError, match=message):
+        probe.compare(table, "linear_C_acc", a, b)
+
+
+@pytest.mark.parametrize("names, message", [
+    (["a", "b"], "b and a are trained on different languages"),
+    (["a", "c"], "c: its probe.py linear_C rows were measured with other settings than a's "
+                 "(n_train 20 vs 10)"),
+    (["a", "empty"], "empty has no hessian.jsonl or probe.jsonl rows"),
+    (["nope"], "not a run directory"),
+])
+def test_probe_summary_refuses_mixed_or_empty_runs(tmp_path, names, message):
+    """Runs a; b on another language; c probed with another n_train; empty: a folder with no
+    rows; nope: no folder."""
+    _probe_run_dir(tmp_path, "a", [1], [1.0], [0.5])
+    _probe_run_dir(tmp_path, "b", [1], [1.0], [0.5], language="other")
+    _probe_run_dir(tmp_path, "c", [1], [1.0], [0.5], n_train=20)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        probe.summary_table([str(tmp_path / name) for name in names])
 
 
 def test_probe_summary_plot(tmp_path):
@@ -2305,24 +2490,30 @@ def _probe_lookup_ckpt(tmp_path, lang):
     return path
 
 
-def test_probe_checkpoint_row_and_errors(tmp_path):
-    lang = _probe_tiny_hmm()
-    ckpt = _probe_lookup_ckpt(tmp_path, lang)
+def test_probe_checkpoint_row_fields(tmp_path):
+    ckpt = _probe_lookup_ckpt(tmp_path, _probe_tiny_hmm())
     row = probe.probe_checkpoint(ckpt, "3", n_train=200, n_test=100, n_seeds=2, epochs=2)
     assert {"ckpt", "step", "task", "method", "acc", "acc_std", "n_train", "seeds"} <= set(row)
     assert row["method"] == "linear" and row["seeds"] == [0, 1] and 0 <= row["acc"] <= 1
     assert row["acc"] == pytest.approx(np.mean(row["accs"])) and row["acc_std"] >= 0
-    with pytest.raises(ValueError, match="no task 'C'"):
-        probe.probe_checkpoint(ckpt, "C", n_train=20, n_test=10, n_seeds=1)
-    with pytest.raises(ValueError, match="lookup table"):
-        probe.probe_checkpoint(ckpt, "3", method="finetune", n_train=20, n_test=10, n_seeds=1)
-    with pytest.raises(ValueError, match="not a run directory"):
-        probe.summary_table([str(tmp_path / "nope")])
+
+
+def test_probe_checkpoint_default_task_is_the_languages_first(tmp_path):
+    lang = _probe_tiny_hmm()
+    ckpt = _probe_lookup_ckpt(tmp_path, lang)
     row = probe.probe_checkpoint(ckpt, None, n_train=20, n_test=10, n_seeds=2, epochs=1)
-    assert row["task"] == lang.tasks[0] and len(row["n_correct"]) == 10     # default task
+    assert row["task"] == lang.tasks[0] and len(row["n_correct"]) == 10
     assert row["acc"] == pytest.approx(sum(row["n_correct"]) / (2 * 10))
-    with pytest.raises(SystemExit):
-        probe.main([ckpt, "--compare", "a@1", "b@1"])              # --compare needs --summary
+
+
+@pytest.mark.parametrize("task, method, message", [
+    ("C", "linear", "no task 'C'"),
+    ("3", "finetune", "lookup table"),
+])
+def test_probe_checkpoint_refusals(tmp_path, task, method, message):
+    ckpt = _probe_lookup_ckpt(tmp_path, _probe_tiny_hmm())
+    with pytest.raises(ValueError, match=message):
+        probe.probe_checkpoint(ckpt, task, method=method, n_train=20, n_test=10, n_seeds=1)
 
 
 def test_probe_finetune_learns_first_token_task():
@@ -2362,10 +2553,13 @@ def test_probe_finetune_default_recipe_beats_majority_class(tmp_path):
     assert row["acc"] >= majority + 0.3, (row["acc"], majority)
 
 
-def test_probe_threads_flag(tmp_path, capsys):
+_PROBE_CLI_SMALL = ["--task", "3", "--n-train", "20", "--n-test", "10", "--seeds", "1",
+                    "--epochs", "1", "--device", "cpu"]
+
+
+def test_probe_threads_flag(tmp_path):
     ckpt = _probe_lookup_ckpt(tmp_path, _probe_tiny_hmm())
-    argv = [ckpt, "--task", "3", "--n-train", "20", "--n-test", "10", "--seeds", "1", "--epochs", "1",
-            "--device", "cpu"]
+    argv = [ckpt, *_PROBE_CLI_SMALL]
     try:
         probe.main(argv + ["--threads", "2"])
         assert torch.get_num_threads() == 2
@@ -2374,9 +2568,20 @@ def test_probe_threads_flag(tmp_path, capsys):
     finally:
         torch.set_num_threads(1)
     assert len(probe.read_jsonl(str(tmp_path / "probe.jsonl"))) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--summary", "RUN", "--csv", "TMP"], "must be a file in an existing folder"),  # a folder
+    (["CKPT", "--compare", "a@1", "b@1"], "--compare, --plot and --csv go with --summary"),
+    (["CKPT", *_PROBE_CLI_SMALL, "--threads", "0"], "--threads must be >= 1 (got 0)"),
+])
+def test_probe_cli_usage_errors(tmp_path, capsys, argv, message):
+    """RUN: a run directory, CKPT: a lookup-table checkpoint, TMP: the folder holding both."""
+    paths = {"RUN": _probe_run_dir(tmp_path, "a", [1], [1.0], [0.5]),
+             "CKPT": _probe_lookup_ckpt(tmp_path, _probe_tiny_hmm()), "TMP": str(tmp_path)}
     with pytest.raises(SystemExit):
-        probe.main(argv + ["--threads", "0"])
-    assert "--threads must be >= 1 (got 0)" in capsys.readouterr().err
+        probe.main([paths.get(a, a) for a in argv])
+    assert message in capsys.readouterr().err
 
 # ===============================================================================================
 # dyck_theory.py: Theorem 5.1
@@ -2390,7 +2595,8 @@ def _dyck_support():
 
 
 def _dyck_full_hessian_trace(params, X, y):
-    """Independent oracle: trace of the full Hessian of L in all parameters (torch.autograd.functional.hessian)."""
+    """Independent oracle: trace of the full Hessian of L in all parameters
+    (torch.autograd.functional.hessian)."""
     keys = dyck_theory.PARAM_ORDER
     shapes = [params[k].shape for k in keys]
     sizes = [params[k].numel() for k in keys]
@@ -2407,7 +2613,8 @@ def _dyck_random_params(m, seed, scale=0.5):
     g = torch.Generator().manual_seed(seed)
     d = 2 * _DYCK_T
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
-    return {"Q": r(d, d) * scale, "K": r(d, d) * scale, "V": r(m, d) * math.sqrt(_DYCK_T), "u": r(m) * m}
+    return {"Q": r(d, d) * scale, "K": r(d, d) * scale, "V": r(m, d) * math.sqrt(_DYCK_T),
+            "u": r(m) * m}
 
 
 def test_dyck_support_brute_force():
@@ -2441,51 +2648,98 @@ def test_dyck_transferable_zero_loss_attains_bound():
         assert tr["Q"] == 0 and tr["K"] == 0
         assert abs(tr["total"] / bound - 1) < 1e-12
         assert abs(_dyck_full_hessian_trace(p, X, y) / bound - 1) < 1e-12
-        # closed form of the docstring: (2/m^2)(c^2/T^2 + b^2/T) with c = sqrt(m) T^(3/4), b = sqrt(m) T^(1/4)
+        # closed form of the docstring: (2/m^2)(c^2/T^2 + b^2/T) with c = sqrt(m) T^(3/4),
+        # b = sqrt(m) T^(1/4)
         c, b = math.sqrt(m) * _DYCK_T ** 0.75, math.sqrt(m) * _DYCK_T ** 0.25
         assert abs(2 / m ** 2 * (c ** 2 / _DYCK_T ** 2 + b ** 2 / _DYCK_T) / bound - 1) < 1e-12
 
 
-def test_dyck_unbalanced_rescaling_is_sharper_and_balance_restores():
+def _dyck_rescaled(alpha, m=4):
+    """The transferable solution p with V scaled by alpha and u by 1/alpha: (p, rescaled)."""
+    p = dyck_theory.transferable_solution(_DYCK_T, m)
+    return p, {**p, "V": p["V"] * alpha, "u": p["u"] / alpha}
+
+
+@pytest.mark.parametrize("alpha", [0.5, 2.0])
+def test_dyck_unbalanced_rescaling_is_sharper(alpha):
     X, y = _dyck_support()
     m = 4
-    p = dyck_theory.transferable_solution(_DYCK_T, m)
+    p, q = _dyck_rescaled(alpha, m)
     c, b = p["V"][0, 0].item(), p["u"][0].item()
-    for alpha in (0.5, 2.0):
-        q = {**p, "V": p["V"] * alpha, "u": p["u"] / alpha}     # f unchanged (relu positively homogeneous)
-        assert torch.allclose(dyck_theory.model_output(q, X), dyck_theory.model_output(p, X), atol=1e-12)
-        expected = 2 / m ** 2 * (alpha ** 2 * c ** 2 / _DYCK_T ** 2 + b ** 2 / (alpha ** 2 * _DYCK_T))
-        assert abs(dyck_theory.grad_norm_trace(q, X)["total"] / expected - 1) < 1e-12
-        assert expected > dyck_theory.lower_bound(_DYCK_T, m) * 1.1
-        back = dyck_theory.balance(q, X)
-        assert abs(dyck_theory.grad_norm_trace(back, X)["total"] / dyck_theory.lower_bound(_DYCK_T, m) - 1) < 1e-12
+    # f unchanged (relu positively homogeneous)
+    assert torch.allclose(dyck_theory.model_output(q, X), dyck_theory.model_output(p, X),
+                          atol=1e-12)
+    expected = 2 / m ** 2 * (alpha ** 2 * c ** 2 / _DYCK_T ** 2 + b ** 2 / (alpha ** 2 * _DYCK_T))
+    assert abs(dyck_theory.grad_norm_trace(q, X)["total"] / expected - 1) < 1e-12
+    assert expected > dyck_theory.lower_bound(_DYCK_T, m) * 1.1
 
 
-def test_dyck_trace_identity_and_closed_form_vs_autograd():
+@pytest.mark.parametrize("alpha", [0.5, 2.0])
+def test_dyck_balance_restores_the_bound(alpha):
     X, y = _dyck_support()
-    p = _dyck_random_params(m=6, seed=0)                      # random Q, K: attention not uniform, loss > 0
+    m = 4
+    _, q = _dyck_rescaled(alpha, m)
+    back = dyck_theory.balance(q, X)
+    bound = dyck_theory.lower_bound(_DYCK_T, m)
+    assert abs(dyck_theory.grad_norm_trace(back, X)["total"] / bound - 1) < 1e-12
+
+
+def _dyck_positive_loss_params():
+    return _dyck_random_params(m=6, seed=0)   # random Q, K: attention not uniform, loss > 0
+
+
+def test_dyck_hessian_trace_matches_autograd():
+    X, y = _dyck_support()
+    p = _dyck_positive_loss_params()
     hess = dyck_theory.hessian_trace(p, X, y)
     assert abs(hess["total"] - _dyck_full_hessian_trace(p, X, y)) < 1e-9 * abs(hess["total"])
+
+
+def test_dyck_trace_closed_form_equals_grad_norm_trace():
+    X, y = _dyck_support()
+    p = _dyck_positive_loss_params()
     ident = dyck_theory.grad_norm_trace(p, X)
     assert abs(dyck_theory.trace_closed_form(p, X).item() / ident["total"] - 1) < 1e-12
+
+
+def test_dyck_trace_identity_fails_at_positive_loss():
+    X, y = _dyck_support()
+    p = _dyck_positive_loss_params()
+    hess, ident = dyck_theory.hessian_trace(p, X, y), dyck_theory.grad_norm_trace(p, X)
     assert dyck_theory.mlm_loss(p, X, y).item() > 1e-3
     assert abs(hess["total"] / ident["total"] - 1) > 1e-6     # Lemma F.4 needs zero loss
-    # at zero loss the identity holds (Lemma F.4). Q^T K = 0 keeps attention uniform (so solution (1) still has
-    # zero loss) while grad_Q f, grad_K f != 0, so every block of the trace is exercised.
-    m = 4
+
+
+def _dyck_zero_loss_with_attention(m=4):
+    """Q^T K = 0 keeps attention uniform (so solution (1) still has zero loss) while grad_Q f,
+    grad_K f != 0, so every block of the trace is exercised."""
     r = _dyck_random_params(m, seed=1)
     z = {**dyck_theory.transferable_solution(_DYCK_T, m), "Q": r["Q"], "K": r["K"]}
     z["Q"][6:], z["K"][:6] = 0.0, 0.0
+    return z
+
+
+def test_dyck_trace_identity_holds_at_zero_loss():
+    """Lemma F.4, block by block, and against autograd's full Hessian."""
+    X, y = _dyck_support()
+    z = _dyck_zero_loss_with_attention()
     assert dyck_theory.mlm_loss(z, X, y).item() <= 1e-12
     hz, iz = dyck_theory.hessian_trace(z, X, y), dyck_theory.grad_norm_trace(z, X)
     for k in ("Q", "K", "V", "u", "total"):
         assert abs(hz[k] - iz[k]) <= 1e-8 * iz["total"]
     assert hz["Q"] > 0 and hz["K"] > 0
     assert abs(_dyck_full_hessian_trace(z, X, y) / hz["total"] - 1) < 1e-9
-    assert iz["total"] > dyck_theory.lower_bound(_DYCK_T, m) * (1 + 1e-6)     # Lemma F.1: the Q, K terms add
 
 
-def test_dyck_random_features_interpolate_and_stay_above_bound():
+def test_dyck_attention_terms_lift_the_trace_above_the_bound():
+    """Lemma F.1: at zero loss the Q, K terms add to the bound of the V, u terms."""
+    X, _ = _dyck_support()
+    m = 4
+    iz = dyck_theory.grad_norm_trace(_dyck_zero_loss_with_attention(m), X)
+    assert iz["total"] > dyck_theory.lower_bound(_DYCK_T, m) * (1 + 1e-6)
+
+
+def test_dyck_random_features_min_width_is_the_feature_rank():
     X, y = _dyck_support()
     m_min = dyck_theory.rf_min_width(_DYCK_T)
     assert m_min == 132
@@ -2493,31 +2747,60 @@ def test_dyck_random_features_interpolate_and_stay_above_bound():
     assert torch.linalg.matrix_rank(torch.relu(X.sum(1) @ V.T)).item() == m_min
     narrow = dyck_theory.random_features_solution(_DYCK_T, m_min - 8, X, y, seed=0)
     assert dyck_theory.mlm_loss(narrow, X, y).item() > 1e-8
-    for m in (m_min, 2 * m_min):
-        p = dyck_theory.random_features_solution(_DYCK_T, m, X, y, seed=0)
-        assert dyck_theory.mlm_loss(p, X, y).item() <= 1e-12
-        bal = dyck_theory.balance(p, X)
-        assert torch.allclose(dyck_theory.model_output(bal, X), y, atol=1e-9)
-        raw_t = dyck_theory.grad_norm_trace(p, X)["total"]
-        bal_t = dyck_theory.grad_norm_trace(bal, X)["total"]
-        assert raw_t >= bal_t > 2 * dyck_theory.lower_bound(_DYCK_T, m)
 
 
-def test_dyck_search_short_run_is_feasible_and_near_bound():
+@pytest.mark.parametrize("factor", [1, 2])
+def test_dyck_random_features_interpolate(factor):
+    X, y = _dyck_support()
+    m = factor * dyck_theory.rf_min_width(_DYCK_T)
+    p = dyck_theory.random_features_solution(_DYCK_T, m, X, y, seed=0)
+    assert dyck_theory.mlm_loss(p, X, y).item() <= 1e-12
+
+
+@pytest.mark.parametrize("factor", [1, 2])
+def test_dyck_random_features_stay_above_twice_the_bound(factor):
+    """Balanced or not, a random-features solution's trace is more than twice the bound."""
+    X, y = _dyck_support()
+    m = factor * dyck_theory.rf_min_width(_DYCK_T)
+    p = dyck_theory.random_features_solution(_DYCK_T, m, X, y, seed=0)
+    bal = dyck_theory.balance(p, X)
+    assert torch.allclose(dyck_theory.model_output(bal, X), y, atol=1e-9)
+    raw_t = dyck_theory.grad_norm_trace(p, X)["total"]
+    bal_t = dyck_theory.grad_norm_trace(bal, X)["total"]
+    assert raw_t >= bal_t > 2 * dyck_theory.lower_bound(_DYCK_T, m)
+
+
+@pytest.fixture(scope="module")
+def dyck_short_search():
+    """A short flattest_search_run at m = 160: (X, y, m, solution)."""
     X, y = _dyck_support()
     m = 160
-    p = dyck_theory.flattest_search_run(_DYCK_T, m, X, y, seed=0, outer=3, inner=60)
-    assert dyck_theory.mlm_loss(p, X, y).item() <= 1e-9       # short run: features still ill-conditioned
-    ratio = dyck_theory.grad_norm_trace(p, X)["total"] / dyck_theory.lower_bound(_DYCK_T, m)
+    return X, y, m, dyck_theory.flattest_search_run(_DYCK_T, m, X, y, seed=0, outer=3, inner=60)
+
+
+def test_dyck_search_short_run_interpolates(dyck_short_search):
+    X, y, _, p = dyck_short_search
+    assert dyck_theory.mlm_loss(p, X, y).item() <= 1e-9   # short run: features ill-conditioned
+
+
+def test_dyck_search_short_run_is_near_the_bound(dyck_short_search):
+    X, y, m, p = dyck_short_search
+    bound = dyck_theory.lower_bound(_DYCK_T, m)
+    ratio = dyck_theory.grad_norm_trace(p, X)["total"] / bound
     start = dyck_theory.random_features_solution(_DYCK_T, m, X, y, seed=0)
-    start_ratio = dyck_theory.grad_norm_trace(start, X)["total"] / dyck_theory.lower_bound(_DYCK_T, m)
-    assert 1 - 1e-9 <= ratio < 3 < start_ratio                 # the full search (CLI) gets within 1%
+    start_ratio = dyck_theory.grad_norm_trace(start, X)["total"] / bound
+    assert 1 - 1e-9 <= ratio < 3 < start_ratio          # the full search (CLI) gets within 1%
+
+
+def test_dyck_search_short_run_uses_both_neuron_groups(dyck_short_search):
+    X, y, _, p = dyck_short_search
     st = dyck_theory.neuron_structure(p, X, y)
     assert st["group_plus"] >= 1 and st["group_minus"] >= 1
 
 
 def test_dyck_failure_probability_brute_force_n2():
-    """Exact failure probability at n = 2 by fitting the min-norm head on all 64^2 ordered samples."""
+    """Exact failure probability at n = 2 by fitting the min-norm head on all 64^2 ordered
+    samples."""
     Xd, gd = dyck_theory.downstream_population(_DYCK_T)
     assert Xd.shape[0] == 64 and set(gd.tolist()) == {-6, -4, -2, 0, 2, 4, 6}
     p = dyck_theory.transferable_solution(_DYCK_T, 3)
@@ -2533,35 +2816,45 @@ def test_dyck_failure_probability_brute_force_n2():
 def test_dyck_failure_probability_formula_by_multinomial_enumeration():
     q = math.comb(6, 3) / 64
     pp = (1 - q) / 2
+    f = math.factorial
     for n in (1, 3, 10):
-        direct = sum(math.factorial(n) / (math.factorial(a) * math.factorial(b) * math.factorial(n - a - b))
-                     * pp ** a * pp ** b * q ** (n - a - b)
+        direct = sum(f(n) / (f(a) * f(b) * f(n - a - b)) * pp ** a * pp ** b * q ** (n - a - b)
                      for a in range(n + 1) for b in range(n + 1 - a) if a == 0 or b == 0)
         assert abs(direct - dyck_theory.failure_probability_exact(_DYCK_T, n)) < 1e-14
     assert abs(dyck_theory.failure_probability_exact(_DYCK_T, 10) - 0.0296212) < 1e-6
-    # The theorem's "failure <= 2^-n" does not hold here, for any n (even 2^(1-n) is too small).
-    assert dyck_theory.failure_probability_exact(_DYCK_T, 1) == 1.0      # one sample never shows both signs
+
+
+def test_dyck_theorem_failure_bound_does_not_hold_here():
+    """The theorem's "failure <= 2^-n" does not hold here, for any n (even 2^(1-n) is too
+    small)."""
+    exact = lambda n: dyck_theory.failure_probability_exact(_DYCK_T, n)
+    assert exact(1) == 1.0                                # one sample never shows both signs
     for n in range(2, 40):
-        assert dyck_theory.failure_probability_exact(_DYCK_T, n) > 2 * dyck_theory.theorem_failure_bound(n)
+        assert exact(n) > 2 * dyck_theory.theorem_failure_bound(n)
 
 
-def test_dyck_downstream_measured_failure_and_random_features():
-    X, y = _dyck_support()
+def test_dyck_downstream_failure_rate_matches_the_exact_probability():
     Xd, gd = dyck_theory.downstream_population(_DYCK_T)
     draws, n = 4000, 10
-    losses = dyck_theory.downstream_losses(dyck_theory.transferable_solution(_DYCK_T, 4), Xd, gd, n, draws, seed=0)
+    losses = dyck_theory.downstream_losses(dyck_theory.transferable_solution(_DYCK_T, 4), Xd, gd,
+                                           n, draws, seed=0)
     exact = dyck_theory.failure_probability_exact(_DYCK_T, n)
     measured = (losses > 1e-12).double().mean().item()
     assert abs(measured - exact) < 5 * math.sqrt(exact * (1 - exact) / draws)
+
+
+def test_dyck_random_features_always_fail_downstream():
+    X, y = _dyck_support()
+    Xd, gd = dyck_theory.downstream_population(_DYCK_T)
     rf = dyck_theory.random_features_solution(_DYCK_T, 140, X, y, seed=0)
-    rf_losses = dyck_theory.downstream_losses(rf, Xd, gd, n, 200, seed=0)
+    rf_losses = dyck_theory.downstream_losses(rf, Xd, gd, 10, 200, seed=0)
     assert (rf_losses > 1e-3).all()
 
 
-def test_dyck_check_args_rejects_outside_the_theorem():
-    for T, m, n in ((7, 4, 10), (4, 4, 10), (6, 1, 10), (6, 4, 0)):
-        with pytest.raises(ValueError):
-            dyck_theory.check_args(T, m, n)
+@pytest.mark.parametrize("T, m, n", [(7, 4, 10), (4, 4, 10), (6, 1, 10), (6, 4, 0)])
+def test_dyck_check_args_rejects_outside_the_theorem(T, m, n):
+    with pytest.raises(ValueError):
+        dyck_theory.check_args(T, m, n)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -2675,7 +2968,8 @@ def _repro_check(rows, runs_steps, lookup_runs=()):
     assert sorted((r["run"], int(r["step"])) for r in rows) == sorted(runs_steps)
     for r in rows:
         for c in _REPRO_COLUMNS[1:]:
-            if r["run"] in lookup_runs and c in ("trace", "trace_std", "top_eigenvalue", "sam_sharpness"):
+            hessian_cell = c in ("trace", "trace_std", "top_eigenvalue", "sam_sharpness")
+            if r["run"] in lookup_runs and hessian_cell:
                 assert r[c] == "", (r["run"], c, r[c])
                 continue
             v = float(r[c])
@@ -2710,7 +3004,7 @@ def _repro_grow(tmp_path, name, src, *extra):
     return run, train.list_checkpoints(run)
 
 
-def test_repro_e2_model_size_and_grow_chain(tmp_path, capsys):
+def test_repro_e2_model_size_chain(tmp_path, capsys):
     """E2: two LSTM widths (--lstm-hidden), and the small model grown to the larger width
     (--grow-from): same eval loss as the small one, Hessian and probe measurable."""
     small, c_small = _repro_train(tmp_path, "e2-h16", "--preset", "lstm-62k", "--lstm-hidden", "16",
@@ -2719,7 +3013,8 @@ def test_repro_e2_model_size_and_grow_chain(tmp_path, capsys):
                                   "--ckpt-every", "4")
     grown, c_grown = _repro_grow(tmp_path, "e2-h16-grown2", c_small[-1], "--grow-width", "2",
                                  "--steps", "0")
-    evals = lambda run: [r for r in probe.read_jsonl(os.path.join(run, "metrics.jsonl")) if "kl" in r]
+    evals = lambda run: [r for r in probe.read_jsonl(os.path.join(run, "metrics.jsonl"))
+                         if "kl" in r]
     assert abs(evals(grown)[0]["eval_loss"] - evals(small)[-1]["eval_loss"]) < 1e-6  # same function
     _repro_measure(c_small + c_large + c_grown)
     rows, _ = _repro_summary(tmp_path, [small, large, grown], capsys)
@@ -2736,8 +3031,9 @@ def test_repro_e3_training_algorithms_chain(tmp_path, capsys):
     common = ["--steps", "4", "--ckpt-every", "4"]
     runs = {}
     for name, extra in (("adamw", []),
-                        ("adversarial", ["--algo", "adversarial", "--task", "6", "--adv-lambda", "0.1",
-                                         "--adv-pool", "64", "--adv-n1", "16", "--adv-n2", "16"]),
+                        ("adversarial", ["--algo", "adversarial", "--task", "6",
+                                         "--adv-lambda", "0.1", "--adv-pool", "64",
+                                         "--adv-n1", "16", "--adv-n2", "16"]),
                         ("lookup", ["--algo", "lookup"])):
         runs[name] = _repro_train(tmp_path, name, *common, *extra)
     start, _, _ = train.load_checkpoint(runs["adamw"][1][-1])
@@ -2745,7 +3041,7 @@ def test_repro_e3_training_algorithms_chain(tmp_path, capsys):
     runs["sgd"] = _repro_grow(tmp_path, "sgd", runs["adamw"][1][-1], "--grow-width", "1",
                               *common, "--algo", "sgd", "--lr", "1")
     moved = train.load_checkpoint(runs["sgd"][1][-1])[0].state_dict()
-    assert any(not torch.equal(moved[k], start_weights[k]) for k in moved)   # SGD trained on from it
+    assert any(not torch.equal(moved[k], start_weights[k]) for k in moved)  # SGD trained on
     _repro_measure([c for _, ckpts in runs.values() for c in ckpts])
     rows, _ = _repro_summary(tmp_path, [run for run, _ in runs.values()], capsys)
     _repro_check(rows, [("adamw", 4), ("sgd", 0), ("sgd", 4), ("adversarial", 4), ("lookup", 0)],
