@@ -26,8 +26,8 @@ Run:
     python data.py pcfg --n 200 --conditionals --out p.pt    # also the exact conditionals
     python data.py pcfg-small --n 1000 --out s.pt            # the CPU-scale PCFG (+ task D)
     python data.py hmm --n 10000 --out hmm.pt
-The first takes about 25 s of CPU on one thread (mostly the task labels; `--threads`, default
-1: on a shared machine more threads were slower).
+The first takes about 11 s on one thread, mostly the task labels (`--threads`, default 1: on a
+shared 2-core machine more threads were slower).
 It prints the language, the mean length, the optimal MLM loss (entropy) and where it wrote a
 dataset that `torch.load(FILE, weights_only=True)` reads back, generator spec included.
 """
