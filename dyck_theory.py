@@ -6,8 +6,7 @@ Every step of the Section 5 argument becomes a number: two zero-loss one-layer t
 the masked-LM loss at each, the Lemma F.1 lower bound, a numerical search for the flattest
 zero-loss solution, and the downstream loss / failure probability of Theorem 5.1.
 
-Run (defaults: 72 s wall, 26 s CPU, one thread, measured on a 2-core machine shared with
-other jobs):
+Run (defaults: 10 s on one thread of a 2-core machine):
 
     python dyck_theory.py                       # T=6, m=160, n=10: each claim, numbers, PASS/FAIL
     python dyck_theory.py --T 8 --m 64 --n 20   # larger T (support enumerated up to T=14;
