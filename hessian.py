@@ -135,11 +135,13 @@ def _loss_closure(model, inputs, positions, targets, batch_size):
     n = len(inputs)
     for s in range(0, n, batch_size):
         sl = slice(s, s + batch_size)
-        yield pretraining_loss(model, inputs[sl], positions[sl], targets[sl]) * (len(inputs[sl]) / n)
+        yield (pretraining_loss(model, inputs[sl], positions[sl], targets[sl])
+               * (len(inputs[sl]) / n))
 
 
 def hessian_vector_products(model, inputs, positions, targets, vectors, batch_size=256):
-    """[∇²L v for v in vectors] by double backprop (Pearlmutter), L = pretraining_loss, eval mode."""
+    """[∇²L v for v in vectors] by double backprop (Pearlmutter), L = pretraining_loss, eval
+    mode."""
     params = [p for p in model.parameters() if p.requires_grad]
     out = [[torch.zeros_like(p) for p in params] for _ in vectors]
     fnet = vmappable(model)   # FunctionalLSTM: an LSTM with double backward on every device

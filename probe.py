@@ -645,7 +645,8 @@ def plot_summary(table, path):
 # plumbing: the command line
 # ==================================================================================================
 # ----------------------------------------------------------------------------- CLI
-def main(argv=None):
+def parse_args(argv=None):
+    """The command line, checked: a bad flag or a missing checkpoint is a one-line usage error."""
     p = argparse.ArgumentParser(
         usage="python probe.py CKPT ... [options] | --summary RUN_DIR ...",
         formatter_class=train.ShortHelp,
@@ -686,10 +687,19 @@ def main(argv=None):
     for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
         if path and (os.path.isdir(path) or not os.path.isdir(os.path.dirname(path) or ".")):
             bad.append(f"{flag} {path}: must be a file in an existing folder")
+    if not args.summary and (args.compare or args.plot or args.csv):
+        bad.append("--compare, --plot and --csv go with --summary RUN_DIR ...")
+    if not args.summary:
+        bad += [f"no checkpoint file {path} (train.py writes runs/NAME/ckpt_*.pt)"
+                for path in args.paths if not os.path.isfile(path)][:1]
     if bad:
         p.error("; ".join(bad))
-    torch.set_num_threads(args.threads)
+    return args
 
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     if args.summary:
         try:
             columns, table = summary_table(args.paths, args.min_step)
@@ -699,11 +709,6 @@ def main(argv=None):
         except ValueError as e:
             sys.exit(f"probe.py: error: {e}")
         return
-    if args.compare or args.plot or args.csv:
-        p.error("--compare, --plot and --csv go with --summary RUN_DIR ...")
-    for path in args.paths:
-        if not os.path.isfile(path):
-            p.error(f"no checkpoint file {path} (train.py writes runs/NAME/ckpt_*.pt)")
     cache = {}
     for i, path in enumerate(args.paths):
         log(f"[probe] checkpoint {i + 1}/{len(args.paths)}: {path}")

@@ -252,47 +252,37 @@ def test_data_pcfg_default_grammar_conditionals_length_32():
         assert (c.gather(2, t.clamp(max=199)[..., None])[..., 0][valid] > 0).all()
 
 
-def test_data_pcfg_invalid_inputs_raise():
-    g = _data_tiny_pcfg()
-    b, lx, r = g.binary, g.lexical, g.root
-    with pytest.raises(ValueError, match="shape"):
-        data.PCFG(r, b[:2], lx)
-    with pytest.raises(ValueError, match="shape"):
-        data.PCFG(r, b, lx[:2])
-    bad = b.clone()
-    bad[1, 2, 2] = -0.3
-    with pytest.raises(ValueError, match="negative"):
-        data.PCFG(r, bad, lx)
-    bad = lx.clone()
-    bad[0, 0] = float("nan")
-    with pytest.raises(ValueError, match="NaN"):
-        data.PCFG(r, b, bad)
-    bad = lx.clone()
-    bad[2, 2] = 0.4
-    with pytest.raises(ValueError, match=r"symbol 2.*off by -0\.1"):
-        data.PCFG(r, b, bad)
-    with pytest.raises(ValueError, match="root"):
-        data.PCFG([0.5, 0.3, 0.1], b, lx)
-    with pytest.raises(ValueError, match="word id"):
-        g.mlm_conditional(torch.tensor([[0, 5]]), torch.tensor([2]))
-    with pytest.raises(ValueError, match="lengths"):
-        g.log_prob(torch.tensor([[0, 1]]), torch.tensor([3]))
-    with pytest.raises(ValueError, match="valid tasks are"):
-        g.task_data("D", 5)
-    with pytest.raises(ValueError, match="unknown language kind"):
-        data.language_from_spec({"kind": "zipf"})
-    with pytest.raises(ValueError, match="line 3"):
-        data.PCFG.from_rules("S A 1.0\nA x 1.0\nA y\n")
-    with pytest.raises(ValueError, match="line 2: probability 'p'"):
-        data.PCFG.from_rules("S A 1.0\nA x p\n")
-    with pytest.raises(ValueError, match="line 1.*not a nonterminal"):
-        data.PCFG.from_rules("S A B 1.0\nA x 1.0\n")
-    with pytest.raises(ValueError, match="rules of A sum to 0.5"):
-        data.PCFG.from_rules("S A 1.0\nA x 0.5\n")
-    with pytest.raises(ValueError, match="no such rule file"):
-        data.PCFG.from_rules("missing_rules.txt")
-    with pytest.raises(ValueError, match="numeric"):
-        data.PCFG([[0.5], [0.5, 0.0]], b, lx)
+def _data_changed(t, index, value):
+    """A copy of tensor/array t with t[index] = value."""
+    t = t.clone() if torch.is_tensor(t) else t.copy()
+    t[index] = value
+    return t
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda g: data.PCFG(g.root, g.binary[:2], g.lexical), "shape"),
+    (lambda g: data.PCFG(g.root, g.binary, g.lexical[:2]), "shape"),
+    (lambda g: data.PCFG(g.root, _data_changed(g.binary, (1, 2, 2), -0.3), g.lexical),
+     "negative"),
+    (lambda g: data.PCFG(g.root, g.binary, _data_changed(g.lexical, (0, 0), float("nan"))),
+     "NaN"),
+    (lambda g: data.PCFG(g.root, g.binary, _data_changed(g.lexical, (2, 2), 0.4)),
+     r"symbol 2.*off by -0\.1"),
+    (lambda g: data.PCFG([0.5, 0.3, 0.1], g.binary, g.lexical), "root"),
+    (lambda g: data.PCFG([[0.5], [0.5, 0.0]], g.binary, g.lexical), "numeric"),
+    (lambda g: g.mlm_conditional(torch.tensor([[0, 5]]), torch.tensor([2])), "word id"),
+    (lambda g: g.log_prob(torch.tensor([[0, 1]]), torch.tensor([3])), "lengths"),
+    (lambda g: g.task_data("D", 5), "valid tasks are"),
+    (lambda g: data.language_from_spec({"kind": "zipf"}), "unknown language kind"),
+    (lambda g: data.PCFG.from_rules("S A 1.0\nA x 1.0\nA y\n"), "line 3"),
+    (lambda g: data.PCFG.from_rules("S A 1.0\nA x p\n"), "line 2: probability 'p'"),
+    (lambda g: data.PCFG.from_rules("S A B 1.0\nA x 1.0\n"), "line 1.*not a nonterminal"),
+    (lambda g: data.PCFG.from_rules("S A 1.0\nA x 0.5\n"), "rules of A sum to 0.5"),
+    (lambda g: data.PCFG.from_rules("missing_rules.txt"), "no such rule file"),
+])
+def test_data_pcfg_invalid_inputs_raise(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(_data_tiny_pcfg())
 
 
 def test_data_pcfg_from_rules_inline():
@@ -676,42 +666,47 @@ def test_data_hmm_small_cpu_language():
     assert 2.0 < float(ent) < math.log(25)  # at most log(V / n_blocks)
 
 
-def test_data_hmm_invalid_inputs_raise():
+def _data_hmm_parts():
+    """(init, trans, emit) numpy arrays of a valid 3-state, 4-word HMM."""
     good = data.HMM.random(3, 4, seed=0, n_blocks=1)
-    init, trans, emit = good.init.numpy(), good.trans.numpy(), good.emit.numpy()
-    bad_row = trans.copy()
-    bad_row[1, 0] += 0.1
-    with pytest.raises(ValueError, match=r"trans row 1 .* off 1 by 0\.1"):
-        data.HMM(init, bad_row, emit)
-    neg = emit.copy()
-    neg[2, 0], neg[2, 1] = -0.1, neg[2, 1] + neg[2, 0] + 0.1
-    with pytest.raises(ValueError, match="emit row 2 .*negative"):
-        data.HMM(init, trans, neg)
-    nan = torch.tensor(init)
-    nan[0] = float("nan")
-    with pytest.raises(ValueError, match="init .*NaN"):
-        data.HMM(nan, trans, emit)
-    with pytest.raises(ValueError, match=r"trans must have shape \[S,S\]"):
-        data.HMM(init, trans[:2], emit)
-    with pytest.raises(ValueError, match=r"emit must have shape"):
-        data.HMM(init, trans, emit[:2])
-    with pytest.raises(ValueError, match="HMM trans: expected a numeric array"):
-        data.HMM(init, "abc", emit)
-    with pytest.raises(ValueError, match="n_blocks"):
-        data.HMM.random(3, 4, n_blocks=5)
+    return good.init.numpy(), good.trans.numpy(), good.emit.numpy()
+
+
+def _data_hmm_negative_emission():
+    init, trans, emit = _data_hmm_parts()
+    emit = emit.copy()
+    emit[2, 0], emit[2, 1] = -0.1, emit[2, 1] + emit[2, 0] + 0.1   # row still sums to 1
+    return data.HMM(init, trans, emit)
+
+
+def _data_hmm_pad_inside_length():
+    good = data.HMM.random(3, 4, seed=0, n_blocks=1)
     tokens, _, _ = good.sample(3, seed=0)
     tokens[1, 2] = data.pad_id(4)  # padding inside the length
-    with pytest.raises(ValueError, match="sentence 1 position 2 holds id 5"):
-        good.mlm_conditional(tokens)
-    with pytest.raises(ValueError, match="lengths"):
-        good.mlm_conditional(tokens[:, :3], torch.tensor([3, 0, 3]))
-    blocks = _data_hmm_tiny_blocks()
-    with pytest.raises(ValueError, match="sentence 0 has probability 0"):
-        blocks.mlm_conditional(torch.tensor([[1, 0, 1, 1]]))  # words of two blocks
-    with pytest.raises(ValueError, match="valid tasks are '1'..'16'"):
-        good.task_data("17", 5)
-    with pytest.raises(ValueError, match="valid tasks"):
-        good.n_classes("A")
+    return good.mlm_conditional(tokens)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda i, t, e: data.HMM(i, _data_changed(t, (1, 0), t[1, 0] + 0.1), e),
+     r"trans row 1 .* off 1 by 0\.1"),
+    (lambda i, t, e: _data_hmm_negative_emission(), "emit row 2 .*negative"),
+    (lambda i, t, e: data.HMM(_data_changed(torch.tensor(i), 0, float("nan")), t, e),
+     "init .*NaN"),
+    (lambda i, t, e: data.HMM(i, t[:2], e), r"trans must have shape \[S,S\]"),
+    (lambda i, t, e: data.HMM(i, t, e[:2]), r"emit must have shape"),
+    (lambda i, t, e: data.HMM(i, "abc", e), "HMM trans: expected a numeric array"),
+    (lambda i, t, e: data.HMM.random(3, 4, n_blocks=5), "n_blocks"),
+    (lambda i, t, e: _data_hmm_pad_inside_length(), "sentence 1 position 2 holds id 5"),
+    (lambda i, t, e: data.HMM(i, t, e).mlm_conditional(torch.zeros(3, 3, dtype=torch.long),
+                                                        torch.tensor([3, 0, 3])), "lengths"),
+    (lambda i, t, e: _data_hmm_tiny_blocks().mlm_conditional(torch.tensor([[1, 0, 1, 1]])),
+     "sentence 0 has probability 0"),                               # words of two blocks
+    (lambda i, t, e: data.HMM(i, t, e).task_data("17", 5), "valid tasks are '1'..'16'"),
+    (lambda i, t, e: data.HMM(i, t, e).n_classes("A"), "valid tasks"),
+])
+def test_data_hmm_invalid_inputs_raise(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(*_data_hmm_parts())
 
 
 def test_data_hmm_spec_round_trip():
