@@ -1951,6 +1951,27 @@ def test_hessian_estimator_within_4_se_of_exact_fisher(arch):
     assert 0 < std and abs(mean - exact) < 4 * std / math.sqrt(10)
 
 
+@pytest.mark.parametrize("arch", ["lstm", "transformer"])
+def test_hessian_estimator_is_the_mean_over_its_own_draws(arch):
+    """trace_hessian = mean over repeats of (1 / (n * samples)) Σ ‖∇ log p(ỹ | x)‖² over the ỹ it
+    draws, each norm by a plain autograd backward; its std is numpy's (ddof=1) over repeats."""
+    net = _hessian_net(arch)
+    inputs, _, positions = _hessian_batch(n=6)
+    n, samples, repeats, seed = 6, 4, 3, 5
+    mean, std = hessian.trace_hessian(net, inputs, positions, n_samples=samples,
+                                      n_repeats=repeats, seed=seed)
+    probs = hessian.model_probs(net, inputs, positions)
+    draws = torch.multinomial(probs, repeats * samples, replacement=True,
+                              generator=torch.Generator().manual_seed(seed))
+    per_repeat = np.zeros(repeats)
+    for i in range(n):
+        norms = _hessian_loop_sq_norms(net, inputs[i].repeat(repeats * samples, 1),
+                                       positions[i].repeat(repeats * samples), draws[i])
+        per_repeat += norms.view(repeats, samples).sum(1).numpy() / (n * samples)
+    assert abs(mean - per_repeat.mean()) < 1e-5 * per_repeat.mean()
+    assert abs(std - per_repeat.std(ddof=1)) < 1e-4 * per_repeat.std(ddof=1)
+
+
 def test_hessian_saturation_fisher_hutchinson_exact_agree():
     """At a model equal to the true conditional (targets = its own p_θ), Tr[G] = Tr[∇²L]."""
     net = _hessian_net("lstm", lstm_hidden=3, n_layers=1)
