@@ -783,19 +783,9 @@ def start_run(args):
     device = torch.device(args.device)
     net.to(device)
     opt = make_optimizer(net, args)
-    objective = Objective(net)
-    if args.compile:
-        objective = torch.compile(objective)
-    if world > 1:
-        objective = nn.parallel.DistributedDataParallel(
-            objective, device_ids=[device.index] if device.type == "cuda" else None)
-    task = None
-    if args.algo == "adversarial":
-        tokens, _, labels = lang.task_data(args.task, args.adv_pool,
-                                           seed=stream_seed(args.seed, "task"))
-        task = (tokens, labels, lang.n_classes(args.task))
     ev = make_eval_set(lang, args.eval_n) if rank == 0 else None
-    run = Run(args, lang, net, objective, opt, ev, run_dir, rank, world, device, task)
+    run = Run(args, lang, net, wrap_objective(net, args, world, device), opt, ev, run_dir, rank,
+              world, device, adversary_pool(args, lang))
     if ckpt is not None:
         net.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
@@ -808,6 +798,27 @@ def start_run(args):
         write_grown(run, small, source)
         run.t_window = time.time()              # tokens/s of the first row: training time only
     return run
+
+
+def wrap_objective(net, args, world, device):
+    """The net's Objective, compiled (--compile) and DDP-wrapped when several processes train."""
+    objective = Objective(net)
+    if args.compile:
+        objective = torch.compile(objective)
+    if world > 1:
+        objective = nn.parallel.DistributedDataParallel(
+            objective, device_ids=[device.index] if device.type == "cuda" else None)
+    return objective
+
+
+def adversary_pool(args, lang):
+    """The adversarial algorithm's downstream sample (tokens, labels, n_classes), from which each
+    step draws D1 and D2 (App. A.4); None for the other algorithms."""
+    if args.algo != "adversarial":
+        return None
+    tokens, _, labels = lang.task_data(args.task, args.adv_pool,
+                                       seed=stream_seed(args.seed, "task"))
+    return tokens, labels, lang.n_classes(args.task)
 
 
 def open_run_dir(args, run_dir, lang, net, ckpt):
