@@ -27,8 +27,8 @@ Each ‖∇_θ log p_θ(ỹ|x_-t)‖² is one per-sample gradient, always in eva
   - LSTMs: torch has no vmap rule for the fused nn.LSTM kernel, so nn.LSTM is swapped for
     `FunctionalLSTM` (same parameters, plain ops, verified equal); the per-sample norms then
     come from ONE batched backward, as Σ_t (output gradient)_t ⊗ (input)_t per layer
-    (`_layerwise_sq_norms`): 1.3-1.9x faster than vmap over FunctionalLSTM (939 and 915
-    against 481 and 720 pairs/s, two runs of .bench/bench_hessian.py), which is why a second
+    (`_layerwise_sq_norms`): 1.3-2.9x faster than vmap over FunctionalLSTM in three runs of
+    .bench/bench_hessian.py (4,510 against 1,529 pairs/s in the latest), which is why a second
     route exists; vmap alone would give the same numbers.
 Pairs (sentence, ỹ) drawn more than once are computed once and counted with multiplicity.
 

@@ -1,4 +1,4 @@
-"""Benchmark of data.py's PCFG (issue 2): exact MLM conditionals and sampling, side by side
+"""Benchmark of data.py's PCFG: exact MLM conditionals and sampling, side by side
 with the per-candidate inside baseline, in one run. Not a test.
 
     OMP_NUM_THREADS=1 python .bench/bench_data.py            # one thread

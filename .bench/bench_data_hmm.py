@@ -3,7 +3,7 @@
 Run from the repo root:  OMP_NUM_THREADS=1 python .bench/bench_data_hmm.py
 Prints one line per measurement (median of --repeats runs) and each method's ratio to its
 baseline measured in the same run:
-- HMM (100 states, V 200, T 16): mlm_conditional on 10,000 sentences (issue target <= 2 s);
+- HMM (100 states, V 200, T 16): mlm_conditional on 10,000 sentences (target <= 2 s);
   baseline 1: the same forward-backward over all 100 states at once, ignoring the blocks;
   baseline 2: the forward algorithm run on every candidate sentence (one per position and word),
   on a few sentences; sampling rate.

@@ -1,4 +1,4 @@
-"""Benchmark of hessian.py (issue 4, Performance): not a test.
+"""Benchmark of hessian.py: not a test.
 
     python .bench/bench_hessian.py                 # ~3 min on 2 shared CPU cores
     python .bench/bench_hessian.py --threads 2

@@ -1,4 +1,4 @@
-"""Benchmark of train.py's training step (issue 3, "Performance"): not a test.
+"""Benchmark of train.py's training step: not a test.
 
 Measures, in ONE run so that the machine's load hits everything alike (medians of interleaved
 rounds; ratios are the figures to quote):
