@@ -21,6 +21,10 @@ Every `--eval-every` steps the model is evaluated exactly on a fixed held-out se
 every position of every eval sentence is masked in turn and, with p = Pr(. | x_-t) from data.py,
 kl = E[-sum_w p(w) log q(w)] - E[H(p)], with its standard error over sentences (kl_se).
 
+The file reads in that order: the configuration (parse_args), the paper's objects (make_batch,
+mlm_loss, adversarial_loss, make_optimizer, lr_at, evaluate, LookupTable), the training loop
+(train, one_update), then the plumbing (random streams, setup, checkpoints, resuming).
+
 Runs continue and branch from their checkpoints alone (the arguments are stored in them):
   --resume              continue a killed run; with --steps N (larger) extend a --schedule
                         const run (a decaying schedule ends at lr 0 and is refused)
