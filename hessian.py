@@ -762,9 +762,7 @@ def parse_args(argv=None):
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         bad.append("--device cuda asked for, but torch.cuda.is_available() is False; "
                    "use --device cpu")
-    missing = [c for c in args.checkpoints if not Path(c).is_file()]
-    if missing:
-        bad.append(f"no checkpoint file {', '.join(missing)} (train.py writes runs/NAME/ckpt_*.pt)")
+    bad += train.missing_checkpoints(args.checkpoints)
     if bad:
         p.error("; ".join(bad))
     return args

@@ -690,8 +690,7 @@ def parse_args(argv=None):
     if not args.summary and (args.compare or args.plot or args.csv):
         bad.append("--compare, --plot and --csv go with --summary RUN_DIR ...")
     if not args.summary:
-        bad += [f"no checkpoint file {path} (train.py writes runs/NAME/ckpt_*.pt)"
-                for path in args.paths if not os.path.isfile(path)][:1]
+        bad += train.missing_checkpoints(args.paths)
     if bad:
         p.error("; ".join(bad))
     return args

@@ -946,6 +946,13 @@ def save_checkpoint(path, ckpt):
     os.replace(tmp, path)
 
 
+def missing_checkpoints(paths):
+    """A one-line error naming the paths among `paths` that are not files, or [] if none is."""
+    missing = [str(p) for p in paths if not os.path.isfile(p)]
+    return [f"no checkpoint file {', '.join(missing)} (train.py writes runs/NAME/ckpt_*.pt)"
+            ] if missing else []
+
+
 def read_checkpoint(path, device="cpu"):
     """The checkpoint dict in file `path`, loaded safely (weights_only=True: no code runs);
     FileNotFoundError or ValueError with a one-line message for anything else."""
