@@ -1,51 +1,24 @@
-"""Flatness of a masked language model: trace of the Hessian of the pre-training loss.
+"""Flatness of a masked LM: the trace of the Hessian of the pre-training loss (§3, §4, App. B.2).
 
-Paper: Liu, Xie, Li, Ma, "Same Pre-training Loss, Better Downstream" (ICML 2023).
-  - §4 and App. B.2: the unbiased estimate of Tr[∇²L] used for every checkpoint
-    (`trace_hessian`), with exact and Hutchinson cross-checks, the extreme Hessian eigenvalues
-    (Lanczos) and the SAM sharpness reported beside it (the paper compares no other flatness
-    measure).
-  - §3: Lemma 3.2 (at a global minimiser the stochastic-gradient covariance equals the
-    Hessian) and Theorem 3.3 (SGD with fresh samples drifts along the manifold of minimisers
-    so as to reduce Tr[∇²L]) on a small well-specified factorised-softmax problem.
-
-The estimator (App. B.2).  With z = logits at the masked position, p = softmax(z) and
-J = ∂z/∂θ, the Hessian of L(θ) = E[-log p_θ(x_t | x_-t)] is
-
-    ∇²L = E[ Jᵀ (diag p - p pᵀ) J ]  +  E[ Σ_w (p_w - 1{x_t = w}) ∇²z_w ].
-
-The second term vanishes in the saturation regime (p = the true conditional), and
-∇ log p_ỹ = Jᵀ(e_ỹ - p) gives the first term's trace as an expectation over ỹ ~ p itself:
-
-    Tr[∇²L] ≈ Tr[G] = E_{x,t} E_{ỹ ~ p_θ(·|x_-t)} ‖∇_θ log p_θ(ỹ | x_-t)‖².
-
-Here p is the softmax over the V words, exactly the loss train.py trains (train.mlm_log_probs).
-Each ‖∇_θ log p_θ(ỹ|x_-t)‖² is one per-sample gradient, always in eval mode
-(dropout off):
-  - transformers: torch.func (functional_call + vmap + grad), in chunks, attention on the
-    "math" kernel (the fused ones have no vmap rule and no double backward);
-  - LSTMs: torch has no vmap rule for the fused nn.LSTM kernel, so nn.LSTM is swapped for
-    `FunctionalLSTM` (same parameters, plain ops, verified equal); the per-sample norms then
-    come from ONE batched backward, as Σ_t (output gradient)_t ⊗ (input)_t per layer
-    (`_layerwise_sq_norms`): 1.3-2.9x faster than vmap over FunctionalLSTM in three runs of
-    .bench/bench_hessian.py (4,510 against 1,529 pairs/s in the latest), which is why a second
-    route exists; vmap alone would give the same numbers.
-Pairs (sentence, ỹ) drawn more than once are computed once and counted with multiplicity.
+Reading order:
+  trace_hessian        App. B.2's unbiased estimate of Tr[∇²L], used for every checkpoint (§4)
+  fisher_gap           what that estimate leaves out away from saturation (Hutchinson probes)
+  lanczos_extremes     the extreme Hessian eigenvalues, and sam_sharpness, reported beside it
+  gradient_covariance  Lemma 3.2 (noise covariance = Hessian at a minimiser) on a toy softmax
+  sgd_demo             Theorem 3.3: SGD drifts along the minimisers towards a smaller trace
+After the banner, the plumbing: per-sample gradient norms, the plain-ops LSTM that torch.func
+and double backward need, and the command line. Every measure runs in eval mode (dropout off).
 
 Run (from the repository root):
 
-    python hessian.py runs/pcfg/ckpt_*.pt              # CPU: 300 sentences × 10 samples × 5
-    python hessian.py runs/pcfg/ckpt_*.pt --paper --device cuda   # paper: 10,000 × 50 × 5
-    python hessian.py --sgd-demo                       # Theorem 3.3 on a toy problem
+    python hessian.py runs/e1-s0/ckpt_*.pt                   # CPU: 300 sentences × 10 ỹ × 5
+    python hessian.py runs/NAME/ckpt_*.pt --paper --device cuda   # App. B.2: 10,000 × 50 × 5
+    python hessian.py runs/e1-s0/ckpt_0006000.pt --fisher-gap 30  # also Tr[∇²L] - Tr[G]
+    python hessian.py --sgd-demo                              # Theorem 3.3 on the toy problem
 
-The CPU defaults (--sentences 300 --samples 10 --repeats 5 --hvp-sentences 100 --eig-iters 10)
-are those of every experiment in README.md; `--paper` sets App. B.2's 10,000 × 50 × 5 with
-1000 HVP sentences and 20 Lanczos steps; flags given explicitly override either.
-
-Each checkpoint prints (stdout) and appends to runs/NAME/hessian.jsonl one JSON line:
-    {"ckpt": ..., "step": ..., "trace": ..., "trace_std": ..., "top_eigenvalue": ...,
-     "min_eigenvalue": ..., "sam_sharpness": ..., "loss": ..., <settings>}
-progress goes to stderr.  `--sgd-demo` prints a table: step, loss - entropy, Tr[∇²L].
+Each checkpoint prints and appends to runs/NAME/hessian.jsonl one JSON row: ckpt, step, trace,
+trace_std, top_eigenvalue, min_eigenvalue, sam_sharpness, loss and the settings (progress goes to
+stderr). `--sgd-demo` prints step, loss - entropy and Tr[∇²L].
 """
 import argparse
 import contextlib
@@ -65,36 +38,32 @@ import data
 import model as model_lib   # `model` is the argument name the contract gives trace_hessian
 import train
 
-# ----------------------------------------------------------------------------- settings
 # sentences per estimate, ỹ drawn per sentence, repetitions (the paper reports mean ± std),
 # sentences for the HVP measures, Lanczos steps
 CPU_SETTINGS = dict(sentences=300, samples=10, repeats=5, hvp_sentences=100, eig_iters=10)
 PAPER_SETTINGS = dict(sentences=10_000, samples=50, repeats=5,     # App. B.2
                       hvp_sentences=1000, eig_iters=20)
-SENTENCE_SEED = 0            # same masked sentences for every checkpoint of a run
+SENTENCE_SEED = 0            # the same masked sentences for every checkpoint of a run
+DRAW_SEED = 0                # the ỹ draws and the HVP probe vectors
+SAM_RHO = 0.05               # radius of the SAM sharpness
 GRAD_FLOATS_PER_CHUNK = 2**25  # ~128 MiB of float32 per-sample gradients per vmap chunk
 
 
-# ======================================================================= the paper's core
-# ----------------------------------------------------------------------------- App. B.2
-def model_probs(net, inputs, positions, batch_size=512):
-    """p_θ(· | x_-t) at each masked position over the V words, float64 [N, V] (eval mode)."""
-    with measuring(net):
-        return torch.cat([log_probs_at(net, inputs[s:s + batch_size], positions[s:s + batch_size],
-                                       n_words(net)).double().exp()
-                          for s in range(0, len(inputs), batch_size)])
+# =============================================================== §4, App. B.2: the trace estimator
+def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0):
+    """App. B.2: unbiased estimate of Tr[∇²L] in the saturation regime -> (mean, std).
 
-
-def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0,
-                  chunk_size=None, progress=False):
-    """App. B.2, unbiased estimate of Tr[G] (= Tr[∇²L] in the saturation regime) -> (mean, std).
-
-    Tr[G] = mean over sentences of E_{ỹ ~ p_θ(·|x_-t)} ‖∇_θ log p_θ(ỹ | x_-t)‖²,
-    with ỹ drawn from the model's own softmax over the V words at the masked position (the
-    distribution train.py's loss scores), `n_samples` per sentence.  `std`
-    is the standard deviation over `n_repeats` independent repetitions (fresh ỹ on the same
-    sentences), as the paper reports.  The gradient norm of a (sentence, ỹ) pair drawn more than
-    once is computed once and counted with its multiplicity: same estimate, less work.
+    With z the logits at the masked position, p = softmax(z) over the V words, J = ∂z/∂θ:
+        ∇²L = E[Jᵀ (diag p - p pᵀ) J] + E[Σ_w (p_w - 1{x_t = w}) ∇²z_w].
+    At saturation (p = the true conditional) the second term vanishes, and ∇_θ log p_ỹ =
+    Jᵀ(e_ỹ - p) turns the first term's trace into an expectation over ỹ ~ p itself:
+        Tr[∇²L] ≈ Tr[G] = mean over sentences of E_{ỹ ~ p_θ(·|x_-t)} ‖∇_θ log p_θ(ỹ | x_-t)‖².
+    inputs [N, T] masked sentences, positions [N] their masked positions; p_θ from model_probs,
+    the squared norms from sq_grad_norms(model, inputs, positions, labels) -> float64 [K].
+    Each of `n_repeats` repetitions draws `n_samples` ỹ per sentence (torch.multinomial with a
+    generator seeded `seed`) and averages the N · n_samples squared norms; returns the mean and
+    the std (ddof=1) of the repetitions, as the paper reports. Written with counts: a
+    (sentence, ỹ) pair drawn several times is computed once and weighted by its count.
     """
     if n_samples < 1 or n_repeats < 2:
         raise ValueError(f"need n_samples >= 1 and n_repeats >= 2 (a std needs two repetitions), "
@@ -102,52 +71,35 @@ def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0,
     if inputs.dim() != 2 or positions.shape != inputs.shape[:1]:
         raise ValueError(f"inputs must be [N, T] and positions [N]; got {tuple(inputs.shape)}, "
                          f"{tuple(positions.shape)}")
-    _params_and_buffers(model)                                     # fails early without θ
-    probs = model_probs(model, inputs, positions)                  # (N, V)
-    gen = torch.Generator().manual_seed(seed)
+    # BEGIN EXERCISE trace_hessian
+    probs = model_probs(model, inputs, positions).cpu()                # (N, V) p_θ(·|x_-t)
     n, V = probs.shape
-    draws = torch.multinomial(probs.cpu(), n_repeats * n_samples, replacement=True,
-                              generator=gen).view(n, n_repeats, n_samples)
-    counts = torch.zeros(n_repeats, n * V, dtype=torch.float64)  # (repeat, sentence·word)
-    flat = (torch.arange(n).view(n, 1, 1) * V + draws).permute(1, 0, 2).reshape(n_repeats, -1)
-    counts.scatter_add_(1, flat, torch.ones_like(flat, dtype=torch.float64))
-    pairs = counts.sum(0).nonzero().squeeze(1)                     # distinct (sentence, ỹ)
-    sent, word = (pairs // V).to(inputs.device), (pairs % V).to(inputs.device)
-    norms = sq_grad_norms(model, inputs[sent], positions[sent], word, chunk_size, progress)
-    per_repeat = counts[:, pairs] @ norms.cpu() / (n * n_samples)  # (n_repeats,)
+    draws = torch.multinomial(probs, n_repeats * n_samples, replacement=True,
+                              generator=torch.Generator().manual_seed(seed))
+    draws = draws.view(n, n_repeats, n_samples).transpose(0, 1)        # (R, N, S) ỹ
+    counts = torch.zeros(n_repeats, n, V, dtype=torch.float64)         # [r, i, w]: draws of w
+    counts.scatter_add_(2, draws, torch.ones(draws.shape, dtype=torch.float64))
+    sent, word = counts.sum(0).nonzero(as_tuple=True)                 # distinct (sentence, ỹ)
+    norms = sq_grad_norms(model, inputs[sent.to(inputs.device)],
+                          positions[sent.to(inputs.device)], word.to(inputs.device))
+    per_repeat = counts[:, sent, word] @ norms.cpu() / (n * n_samples)   # (R,)
     return per_repeat.mean().item(), per_repeat.std().item()
+    # END EXERCISE trace_hessian
 
 
-# ----------------------------------------------------------------------------- cross-checks
-def exact_fisher_trace(model, inputs, positions, chunk_size=None):
-    """Tr[G] exactly on these sentences: mean_i Σ_w p_θ(w|x_-t) ‖∇_θ log p_θ(w|x_-t)‖²
-    (App. B.2)."""
-    probs = model_probs(model, inputs, positions)
-    n, V = probs.shape
-    sent = torch.arange(n).repeat_interleave(V).to(inputs.device)
-    word = torch.arange(V).repeat(n).to(inputs.device)
-    norms = sq_grad_norms(model, inputs[sent], positions[sent], word, chunk_size)
-    return (probs.cpu().reshape(-1) * norms.cpu()).sum().item() / n
-
-
-def _loss_closure(model, inputs, positions, targets, batch_size):
-    """Each chunk's loss, scaled so the chunks sum to the mean loss (chunked double backprop)."""
-    n = len(inputs)
-    for s in range(0, n, batch_size):
-        sl = slice(s, s + batch_size)
-        yield (pretraining_loss(model, inputs[sl], positions[sl], targets[sl])
-               * (len(inputs[sl]) / n))
-
-
+# ================================================= ∇²L itself: the gap, the eigenvalues, SAM
 def hessian_vector_products(model, inputs, positions, targets, vectors, batch_size=256):
-    """[∇²L v for v in vectors] by double backprop (Pearlmutter), L = pretraining_loss, eval
-    mode."""
+    """[∇²L v for v in vectors] by double backprop (Pearlmutter), L = pretraining_loss, summed
+    over chunks of `batch_size` sentences each weighted by its share of the mean."""
     params = [p for p in model.parameters() if p.requires_grad]
     out = [[torch.zeros_like(p) for p in params] for _ in vectors]
     fnet = vmappable(model)   # FunctionalLSTM: an LSTM with double backward on every device
     fparams = [p for p in fnet.parameters() if p.requires_grad]   # same order as `params`
     with measuring(fnet):
-        for loss in _loss_closure(fnet, inputs, positions, targets, batch_size):
+        for s in range(0, len(inputs), batch_size):
+            sl = slice(s, s + batch_size)
+            loss = (pretraining_loss(fnet, inputs[sl], positions[sl], targets[sl])
+                    * (len(inputs[sl]) / len(inputs)))
             g = torch.autograd.grad(loss, fparams, create_graph=True)
             for k, v in enumerate(vectors):
                 for acc, h in zip(out[k], torch.autograd.grad(g, fparams, v, retain_graph=True)):
@@ -157,12 +109,8 @@ def hessian_vector_products(model, inputs, positions, targets, vectors, batch_si
 
 def hutchinson_trace(model, inputs, positions, targets, n_probes=100, seed=0, batch_size=256,
                      probes_per_pass=10):
-    """Hutchinson Tr[∇²L] ≈ mean_k v_kᵀ ∇²L v_k with Rademacher v_k, as PyHessian does
-    (the authors' released script did the same with Gaussian v_k).
-
-    Estimates the Hessian of the loss on the *given* labels (no saturation assumption).
-    Returns (mean, standard error, per-probe values [n_probes] float64).
-    """
+    """Hutchinson's Tr[∇²L] ≈ mean_k v_kᵀ ∇²L v_k with Rademacher v_k (as PyHessian) on the
+    loss of the given targets (no saturation assumption) -> (mean, standard error)."""
     params = [p for p in model.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(seed)
     values = []
@@ -174,54 +122,27 @@ def hutchinson_trace(model, inputs, positions, targets, n_probes=100, seed=0, ba
                    for v, hv in zip(vs, hvs)]
     values = torch.tensor(values, dtype=torch.float64)
     sem = values.std().item() / math.sqrt(n_probes) if n_probes > 1 else float("nan")
-    return values.mean().item(), sem, values
+    return values.mean().item(), sem
 
 
 def fisher_gap(model, inputs, positions, p_true, n_probes=30, seed=0):
-    """Tr[∇²L] - Tr[G] of the population loss on these sentences: the term the Fisher estimator
-    drops, E Σ_w (p_θ(w) - p*(w)) Tr[∇²z_w], with the true conditional p* [N, V] (data.py) in
-    place of sampled labels, so it carries no label noise. The cross-entropy is linear in its
-    target, so this is the Hessian of CE(p* - p_θ, θ) with p_θ held fixed (the Fisher parts
-    cancel), traced by Hutchinson; small near saturation, so few probes suffice. (mean, se).
-
-    Measured (`hessian.py --fisher-gap 30`, lstm-62k on hmm-small, seed 0, 100 sentences):
-    +0.083 ± 0.023 at KL 0.065 (trace 6.72), +0.071 ± 0.014 at KL 0.030 (3.80), -0.035 ± 0.007
-    at KL 0.019 (2.88), -0.015 ± 0.003 at a decayed floor (KL 0.011, 2.98), +0.060 ± 0.017 for
-    lr 3e-3 at KL 0.018 (8.90): within 2 % of the trace, smaller than the differences compared.
-    """
+    """Tr[∇²L] - Tr[G] of the population loss on these sentences: the term trace_hessian drops,
+    E Σ_w (p_θ(w) - p*(w)) Tr[∇²z_w], with the true conditional p* [N, V] (data.py) in place of
+    sampled labels, so it carries no label noise. The cross-entropy is linear in its target, so
+    this is the Hessian of CE(p* - p_θ, θ) with p_θ held fixed (the Fisher parts cancel), traced
+    by Hutchinson; small near saturation, so few probes suffice. -> (mean, standard error)."""
     p_model = model_probs(model, inputs, positions).to(p_true.device)
-    mean, se, _ = hutchinson_trace(model, inputs, positions, (p_true - p_model).float(),
-                                   n_probes=n_probes, seed=seed)
-    return mean, se
-
-
-def exact_hessian(model, inputs, positions, targets, rows_per_pass=64):
-    """∇²L as a [P, P] matrix, rows by batched double backprop (tiny models only)."""
-    fnet = vmappable(model)
-    params = [p for p in fnet.parameters() if p.requires_grad]
-    with measuring(fnet):
-        loss = pretraining_loss(fnet, inputs, positions, targets)
-        g = torch.cat([x.reshape(-1) for x in torch.autograd.grad(loss, params, create_graph=True)])
-        eye, rows = torch.eye(g.numel(), dtype=g.dtype, device=g.device), []
-        for s in range(0, g.numel(), rows_per_pass):
-            hv = torch.autograd.grad(g, params, eye[s:s + rows_per_pass], retain_graph=True,
-                                     is_grads_batched=True)        # rows s .. s+k-1 of ∇²L
-            rows.append(torch.cat([r.reshape(r.shape[0], -1) for r in hv], dim=1).detach())
-    return torch.cat(rows)
-
-
-def exact_hessian_trace(model, inputs, positions, targets):
-    """Tr[∇²L] exactly, from the full Hessian (tiny models only)."""
-    return exact_hessian(model, inputs, positions, targets).trace().item()
+    return hutchinson_trace(model, inputs, positions, (p_true - p_model).float(),
+                            n_probes=n_probes, seed=seed)
 
 
 def lanczos_extremes(model, inputs, positions, targets, n_iter=10, seed=0, batch_size=256):
     """(smallest, largest) eigenvalue of ∇²L by Lanczos on Hessian-vector products: `n_iter`
-    HVPs, the extreme Ritz values of the tridiagonal matrix.  Away from a minimiser ∇²L is
-    indefinite, so both ends are reported.  Three-term recurrence without reorthogonalisation
-    (memory: 3 parameter vectors); lost orthogonality only duplicates converged Ritz values, it
-    does not move the extreme ones.  λ_min converges more slowly than λ_max (measured: up to
-    25% off after 10 HVPs, 2% after 20, 0.2% after 40)."""
+    HVPs, the extreme Ritz values of the tridiagonal matrix. Away from a minimiser ∇²L is
+    indefinite, so both ends are reported (the largest is the algebraic one, not the largest in
+    magnitude). Three-term recurrence without reorthogonalisation (memory: 3 parameter
+    vectors): lost orthogonality only duplicates converged Ritz values, it does not move the
+    extreme ones. λ_min converges more slowly than λ_max."""
     params = [p for p in model.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(seed)
 
@@ -250,42 +171,29 @@ def lanczos_extremes(model, inputs, positions, targets, n_iter=10, seed=0, batch
     return ritz[0].item(), ritz[-1].item()
 
 
-def top_eigenvalue(model, inputs, positions, targets, n_iter=10, seed=0, batch_size=256):
-    """Largest (algebraic) eigenvalue λ_max of ∇²L by Lanczos (`lanczos_extremes`), a sharpness
-    reported beside the §4 trace; at a minimiser ∇²L is PSD and λ_max is also the largest in
-    magnitude.  Measured on ~50k-parameter LSTM and transformer checkpoints (train.py --steps
-    300, 100 sentences): 10 HVPs give λ_max within 1e-3 relative, 20 within 1e-6."""
-    return lanczos_extremes(model, inputs, positions, targets, n_iter, seed, batch_size)[1]
-
-
-def _functional_loss(model, params, rest, inputs, positions, targets):
-    """pretraining_loss of `model` evaluated at other parameter values."""
-    logp = log_probs_at(lambda x: functional_call(model, (params, rest), (x,)), inputs, positions,
-                        n_words(model))
-    return _cross_entropy(logp, targets)
-
-
-def sam_sharpness(model, inputs, positions, targets, rho=0.05):
-    """SAM sharpness max_{‖ε‖≤ρ} L(θ+ε) - L(θ), with SAM's first-order
-    ε = ρ ∇L/‖∇L‖."""
+def sam_sharpness(model, inputs, positions, targets, rho=SAM_RHO):
+    """SAM sharpness max_{‖ε‖≤ρ} L(θ+ε) - L(θ), with SAM's first-order ε = ρ ∇L/‖∇L‖."""
     params, rest = _params_and_buffers(model)
+
+    def loss_at(p):
+        logp = log_probs_at(lambda x: functional_call(model, (p, rest), (x,)), inputs, positions,
+                            n_words(model))
+        return _cross_entropy(logp, targets)
     with measuring(model):
         p = {k: v.clone().requires_grad_() for k, v in params.items()}
-        loss = _functional_loss(model, p, rest, inputs, positions, targets)
+        loss = loss_at(p)
         g = torch.autograd.grad(loss, list(p.values()))
         scale = rho / torch.sqrt(sum((x.double() ** 2).sum() for x in g)).item()
-        moved = {k: v + scale * gi for (k, v), gi in zip(params.items(), g)}
         with torch.no_grad():
-            moved_loss = _functional_loss(model, moved, rest, inputs, positions, targets)
+            moved_loss = loss_at({k: v + scale * gi for (k, v), gi in zip(params.items(), g)})
     return (moved_loss - loss).item()
 
 
-# ---------------------------------------------------------------------- §3 theory on a toy problem
-# A well-specified model whose global minimisers form a manifold: contexts c ~ π, words
-# y ~ softmax(Z*_c), model p_θ(y|c) = softmax(A_c B) with θ = (A [C, k], B [k, V]).  Every
-# (A G, G⁻¹ B) with G invertible (and every per-row logit shift) fits the teacher exactly, so
-# L(θ) = entropy on a whole manifold Γ, while Tr[∇²L] varies along it (it is large when A and B
-# are unbalanced).  All float64, gradients in closed form (∂(-log p_y)/∂z = p - e_y).
+# ============================================================= §3: Lemma 3.2 and Theorem 3.3
+# A well-specified toy whose global minimisers form a manifold: contexts c ~ π, words
+# y ~ softmax(Z*_c), model p_θ(y|c) = softmax(A_c B) with θ = (A [C, k], B [k, V]). Every
+# (A G, G⁻¹ B) with G invertible fits the teacher exactly, so L(θ) = entropy on a manifold Γ
+# while Tr[∇²L] varies along it (large when A and B are unbalanced). All float64.
 
 def softmax_teacher(n_contexts=6, n_words=6, width=6, seed=0):
     """Teacher θ* = (A*, B*) and context distribution π of the toy problem (§3)."""
@@ -314,7 +222,8 @@ def population_hessian(theta, shape_a, shape_b, pi, p_true):
 
 
 def sample_gradients(theta, shape_a, shape_b, contexts, words):
-    """Per-sample ∇_θ(-log p_θ(y|c)) for each (c, y) pair, [n, P], in closed form."""
+    """Per-sample ∇_θ(-log p_θ(y|c)) for each (c, y) pair, [n, P]: with δ = p_θ(·|c) - e_y,
+    the row A_c gets B δ and B gets A_c ⊗ δ (every other entry 0)."""
     A, B = _split(theta, shape_a, shape_b)
     delta = torch.softmax(A[contexts] @ B, -1)                     # (n, V): p - e_y
     delta[torch.arange(len(words)), words] -= 1
@@ -324,39 +233,36 @@ def sample_gradients(theta, shape_a, shape_b, contexts, words):
     return torch.cat([g_a.flatten(1), g_b.flatten(1)], dim=1)
 
 
-def gradient_covariance(theta, shape_a, shape_b, pi, p_true, n_samples=None, seed=0):
-    """Σ(θ) = E[g gᵀ] - ∇L ∇Lᵀ of the stochastic gradient (Lemma 3.2): exact when
-    n_samples is None (every (c, y) weighted by π_c p*(y|c)), else the sample covariance of n
-    fresh draws."""
+def gradient_covariance(theta, shape_a, shape_b, pi, p_true):
+    """Lemma 3.2: the covariance Σ(θ) [P, P] of the stochastic gradient g = ∇_θ(-log p_θ(y|c))
+    of one fresh sample c ~ π, y ~ p*(·|c), exactly, by enumerating the C·V pairs (c, y):
+        Σ(θ) = E[g gᵀ] - E[g] E[g]ᵀ,   E[g] = ∇L(θ),   Pr(c, y) = π_c p*(y|c);
+    per-sample gradients from sample_gradients. At a global minimiser (p_θ = p*) it equals
+    ∇²L(θ) (population_hessian); elsewhere it does not."""
     C, V = p_true.shape
-    if n_samples is None:
-        contexts = torch.arange(C).repeat_interleave(V)
-        words = torch.arange(V).repeat(C)
-        weights = (pi[:, None] * p_true).reshape(-1)
-        g = sample_gradients(theta, shape_a, shape_b, contexts, words)
-        mean = weights @ g
-        return (g * weights[:, None]).T @ g - torch.outer(mean, mean)
-    gen = torch.Generator().manual_seed(seed)
-    contexts = torch.multinomial(pi, n_samples, replacement=True, generator=gen)
-    words = torch.multinomial(p_true[contexts], 1, generator=gen)[:, 0]
-    return torch.cov(sample_gradients(theta, shape_a, shape_b, contexts, words).T)
+    # BEGIN EXERCISE noise_covariance
+    contexts = torch.arange(C).repeat_interleave(V)               # every pair (c, y)
+    words = torch.arange(V).repeat(C)
+    weights = (pi[:, None] * p_true).reshape(-1)                  # Pr(c, y)
+    g = sample_gradients(theta, shape_a, shape_b, contexts, words)   # (C·V, P)
+    mean = weights @ g                                            # ∇L(θ)
+    return (g * weights[:, None]).T @ g - torch.outer(mean, mean)
+    # END EXERCISE noise_covariance
 
 
-def sgd_demo(steps=20_000, lr=0.05, batch_size=1, balance=2.0, n_rows=10, seed=0, log=None):
-    """Theorem 3.3: SGD with fresh samples, started on Γ, keeps L at the entropy and drifts
-    toward smaller Tr[∇²L].  Starts at (balance·A*, B*/balance), a minimiser of the teacher's
-    own family.  Returns rows (step, loss - entropy, Tr[∇²L]); `log` prints each row."""
+def sgd_demo(steps=20_000, lr=0.05, balance=2.0, n_rows=10, seed=0, log=None):
+    """Theorem 3.3: SGD with one fresh sample per step, started on Γ at the unbalanced minimiser
+    (balance·A*, B*/balance), keeps L at the entropy and drifts toward smaller Tr[∇²L].
+    Returns rows (step, loss - entropy, Tr[∇²L]); `log` prints each row."""
     A, B, pi = softmax_teacher(seed=seed)
     p_true = torch.softmax(A @ B, -1)
     entropy = -(pi[:, None] * p_true * p_true.log()).sum().item()
     shapes = (A.shape, B.shape)
     theta = torch.cat([(balance * A).reshape(-1), (B / balance).reshape(-1)])
-    A_t, B_t = _split(theta, *shapes)                              # views: updated in place
     gen = torch.Generator().manual_seed(seed + 1)
-    contexts = torch.multinomial(pi, steps * batch_size, replacement=True, generator=gen)
+    contexts = torch.multinomial(pi, steps, replacement=True, generator=gen)
     words = torch.multinomial(p_true[contexts], 1, generator=gen)[:, 0]   # fresh samples
-    contexts, words = contexts.view(steps, batch_size), words.view(steps, batch_size)
-    rows, rng = [], torch.arange(batch_size)
+    rows = []
     for step in range(steps + 1):
         if step % max(1, steps // n_rows) == 0 or step == steps:
             loss = population_loss(theta, *shapes, pi, p_true).item()
@@ -364,111 +270,65 @@ def sgd_demo(steps=20_000, lr=0.05, batch_size=1, balance=2.0, n_rows=10, seed=0
             rows.append((step, loss - entropy, trace))
             if log:
                 log(f"{step:8d} {loss - entropy:14.2e} {trace:10.4f}")
-        if step == steps:
-            break
-        c, y = contexts[step], words[step]
-        delta = torch.softmax(A_t[c] @ B_t, -1)                    # (batch, V): p - e_y
-        delta[rng, y] -= 1
-        grad_b = A_t[c].T @ delta / batch_size
-        A_t.index_add_(0, c, delta @ B_t.T, alpha=-lr / batch_size)
-        B_t.sub_(lr * grad_b)
+        if step < steps:
+            theta = theta - lr * sample_gradients(theta, *shapes, contexts[step:step + 1],
+                                                  words[step:step + 1])[0]
     return rows
 
 
-# ======================================================================= plumbing
-# What the estimator stands on: per-sample gradient norms (vmap for transformers, one batched
-# backward through a plain-ops LSTM for LSTMs), log-probabilities at the masked position, and
-# eval mode. A student implementing trace_hessian can use these as they are.
-# ----------------------------------------------------------------------------- helpers
-class FunctionalLSTM(nn.Module):
-    """nn.LSTM written with plain ops so torch.func.vmap can batch it (no fused kernel).
+# ==================================================================================== plumbing
+# What the estimator stands on: log-probabilities at the masked position, eval mode, and
+# per-sample gradient norms (vmap in general; one batched backward for the LSTM models).
 
-    Registers the *same* parameter names as nn.LSTM (weight_ih_l0, bias_hh_l1_reverse, ...),
-    so `functional_call` with the original model's parameter dict works on the swapped copy.
-    Gate order i, f, g, o as in torch:  c' = σ(f)c + σ(i)tanh(g),  h' = σ(o)tanh(c').
-    Padding (a suffix, data.py's convention) is handled as model.py's packed sequences do: when
-    `self.keep` [B, T] is set (by `vmappable`'s hook), states are held at zero over padded steps,
-    so the backward direction starts at the last real token, and padded outputs are zero.
-    No dropout between layers: hessian.py measures in eval mode.
-    """
-
-    def __init__(self, lstm):
-        super().__init__()
-        if lstm.proj_size or not lstm.bias:
-            raise ValueError("FunctionalLSTM supports nn.LSTM with bias=True and proj_size=0 only")
-        self.num_layers, self.hidden_size = lstm.num_layers, lstm.hidden_size
-        self.batch_first, self.bidirectional = lstm.batch_first, lstm.bidirectional
-        for name, p in lstm.named_parameters():
-            self.register_parameter(name, p)
-        self.keep = None
-        self.record = None    # a list: _direction appends what per-sample gradients need
-
-    def _direction(self, x, layer, suffix):
-        """One layer, one direction over x [B, T, in] -> (out [B, T, H], h_n, c_n)."""
-        w_ih = getattr(self, f"weight_ih_l{layer}{suffix}")
-        w_hh = getattr(self, f"weight_hh_l{layer}{suffix}")
-        b = getattr(self, f"bias_ih_l{layer}{suffix}") + getattr(self, f"bias_hh_l{layer}{suffix}")
-        xw = x @ w_ih.T + b                                   # (B, T, 4H): input part at once
-        h = x.new_zeros(x.shape[0], self.hidden_size)
-        c = x.new_zeros(x.shape[0], self.hidden_size)
-        steps = range(x.shape[1] - 1, -1, -1) if suffix else range(x.shape[1])
-        outs, gates, h_prev = [None] * x.shape[1], [], []
-        for t in steps:
-            pre = xw[:, t] + h @ w_hh.T                           # (B, 4H) gate pre-activations
-            gates.append(pre)
-            h_prev.append(h)
-            i, f, g, o = pre.chunk(4, dim=-1)
-            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-            h = torch.sigmoid(o) * torch.tanh(c)
-            if self.keep is not None:                             # padded step: state stays 0
-                keep_t = self.keep[:, t, None].to(h.dtype)
-                h, c = h * keep_t, c * keep_t
-            outs[t] = h
-        if self.record is not None:   # per step: W_ih reads x_t, W_hh reads h_{t-1}
-            self.record.append((gates, x[:, list(steps)], torch.stack(h_prev, 1)))
-        return torch.stack(outs, dim=1), h, c
-
-    def forward(self, x, hx=None):
-        """(output [B, T, D·H], (h_n, c_n) [L·D, B, H]) like nn.LSTM (with padding: zero h_n, c_n
-        for padded rows' forward direction; model.py reads only the output)."""
-        if hx is not None or not isinstance(x, torch.Tensor) or x.dim() != 3:
-            raise ValueError("FunctionalLSTM takes a padded [B, T, in] tensor and no initial state "
-                             "(no PackedSequence); use nn.LSTM that way in model.py")
-        if self.keep is not None and not self.batch_first:
-            raise ValueError("FunctionalLSTM: a padding mask needs batch_first=True")
-        x = x if self.batch_first else x.transpose(0, 1)
-        h_n, c_n = [], []
-        for layer in range(self.num_layers):
-            runs = [self._direction(x, layer, s) for s in ["", "_reverse"][:1 + self.bidirectional]]
-            x = torch.cat([r[0] for r in runs], dim=-1)
-            h_n += [r[1] for r in runs]
-            c_n += [r[2] for r in runs]
-        x = x if self.batch_first else x.transpose(0, 1)
-        return x, (torch.stack(h_n), torch.stack(c_n))
+def log_probs_at(net, inputs, positions, V=None):
+    """log p_θ(· | x_-t) at each sentence's masked position over the V words, [N, V] float32:
+    the softmax train.py trains (train.mlm_log_probs); `gather` keeps it vmap-safe."""
+    logits = net(inputs)                                           # (N, T, vocab)
+    index = positions.view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
+    row = logits.gather(1, index).squeeze(1)                       # (N, vocab)
+    return train.mlm_log_probs(row, row.shape[-1] if V is None else V)
 
 
-def vmappable(net):
-    """`net` itself, or a copy whose nn.LSTM layers are FunctionalLSTM (same parameter names).
+def n_words(net):
+    """V, the words the pre-training softmax runs over (train.mlm_log_probs skips the
+    N_SPECIAL tokens); a model without a `.config` (tests) uses all its outputs."""
+    config = getattr(net, "config", None)
+    return None if config is None else config.vocab_size - data.N_SPECIAL
 
-    For a model with `.config.pad_id` a forward pre-hook hands each FunctionalLSTM the padding
-    mask of the tokens, which it cannot see itself (it only receives embeddings).
-    """
-    if not any(isinstance(m, nn.LSTM) for m in net.modules()):
-        return net
-    net = copy.deepcopy(net)
-    lstms = []
-    for m in list(net.modules()):
-        for child_name, child in list(m.named_children()):
-            if isinstance(child, nn.LSTM):
-                lstms.append(FunctionalLSTM(child))
-                setattr(m, child_name, lstms[-1])
-    pad = getattr(getattr(net, "config", None), "pad_id", None)
-    if pad is not None:
-        def set_keep(module, args):
-            for lstm in lstms:
-                lstm.keep = args[0] != pad                     # (B, T) True at real tokens
-        net.register_forward_pre_hook(set_keep)
-    return net
+
+def model_probs(net, inputs, positions, batch_size=512):
+    """p_θ(· | x_-t) at each masked position over the V words, float64 [N, V] (eval mode)."""
+    with measuring(net):
+        return torch.cat([log_probs_at(net, inputs[s:s + batch_size], positions[s:s + batch_size],
+                                       n_words(net)).double().exp()
+                          for s in range(0, len(inputs), batch_size)])
+
+
+def pretraining_loss(net, inputs, positions, targets):
+    """L(θ) of §3 on these masked sentences, the mean over them of -log p_θ(x_t | x_-t) for
+    targets [N] long (the true words), or of the cross-entropy against targets [N, V] float."""
+    return _cross_entropy(log_probs_at(net, inputs, positions, n_words(net)), targets)
+
+
+def _cross_entropy(logp, targets):
+    if targets.is_floating_point():
+        return -(targets.to(logp.dtype) * logp).sum(-1).mean()
+    return -logp.gather(1, targets.view(-1, 1)).mean()
+
+
+@contextlib.contextmanager
+def measuring(*nets):
+    """Eval mode (dropout off: the paper measures the deterministic loss) and the plain "math"
+    attention kernel: the fused kernels have neither a vmap rule nor a double backward."""
+    modes = [net.training for net in nets]
+    for net in nets:
+        net.eval()
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+    finally:
+        for net, mode in zip(nets, modes):
+            net.train(mode)
 
 
 def _params_and_buffers(net):
@@ -482,85 +342,96 @@ def _params_and_buffers(net):
     return params, rest
 
 
-def n_words(net):
-    """V, the number of words the pre-training softmax runs over (train.mlm_log_probs skips the
-    N_SPECIAL tokens); a model without a `.config` (tests) uses all its outputs."""
-    config = getattr(net, "config", None)
-    return None if config is None else config.vocab_size - data.N_SPECIAL
+class FunctionalLSTM(nn.Module):
+    """nn.LSTM (batch_first, bias, no projection: model.py's) written with plain ops, which
+    torch.func.vmap can batch and which has a double backward on every device. It registers the
+    same parameter names as nn.LSTM, so functional_call with the original parameters works.
+    Gate order i, f, g, o as in torch: c' = σ(f)c + σ(i)tanh(g), h' = σ(o)tanh(c'). With
+    `self.keep` [B, T] set (by vmappable), states stay zero over padded steps (a suffix), as
+    model.py's packed sequences do. `self.record`, when a list, collects per layer and direction
+    what _layerwise_sq_norms needs."""
+
+    def __init__(self, lstm):
+        super().__init__()
+        if lstm.proj_size or not lstm.bias or not lstm.batch_first:
+            raise ValueError("FunctionalLSTM supports nn.LSTM(batch_first=True, bias=True, "
+                             "proj_size=0) only")
+        self.num_layers, self.hidden_size = lstm.num_layers, lstm.hidden_size
+        self.bidirectional = lstm.bidirectional
+        for name, p in lstm.named_parameters():
+            self.register_parameter(name, p)
+        self.keep, self.record = None, None
+
+    def _direction(self, x, layer, suffix):
+        """One layer, one direction over x [B, T, in] -> out [B, T, H]."""
+        w_ih = getattr(self, f"weight_ih_l{layer}{suffix}")
+        w_hh = getattr(self, f"weight_hh_l{layer}{suffix}")
+        b = getattr(self, f"bias_ih_l{layer}{suffix}") + getattr(self, f"bias_hh_l{layer}{suffix}")
+        xw = x @ w_ih.T + b                                        # (B, T, 4H)
+        h = x.new_zeros(x.shape[0], self.hidden_size)
+        c = x.new_zeros(x.shape[0], self.hidden_size)
+        steps = range(x.shape[1] - 1, -1, -1) if suffix else range(x.shape[1])
+        outs, gates, h_prev = [None] * x.shape[1], [], []
+        for t in steps:
+            pre = xw[:, t] + h @ w_hh.T                            # (B, 4H) gate pre-activations
+            gates.append(pre)
+            h_prev.append(h)
+            i, f, g, o = pre.chunk(4, dim=-1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h = torch.sigmoid(o) * torch.tanh(c)
+            if self.keep is not None:                              # padded step: state stays 0
+                keep_t = self.keep[:, t, None].to(h.dtype)
+                h, c = h * keep_t, c * keep_t
+            outs[t] = h
+        if self.record is not None:   # per step: W_ih reads x_t, W_hh reads h_{t-1}
+            self.record.append((gates, x[:, list(steps)], torch.stack(h_prev, 1)))
+        return torch.stack(outs, dim=1)
+
+    def forward(self, x):
+        """(output [B, T, D·H], None): model.py reads only the output."""
+        for layer in range(self.num_layers):
+            x = torch.cat([self._direction(x, layer, s)
+                           for s in ["", "_reverse"][:1 + self.bidirectional]], dim=-1)
+        return x, None
 
 
-def log_probs_at(net, inputs, positions, V=None):
-    """log p_θ(· | x_-t) at each sentence's masked position over the V words, [N, V] float32.
-
-    The same softmax train.py trains (train.mlm_log_probs); `gather` keeps it vmap-safe.
-    """
-    logits = net(inputs)                                           # (N, T, vocab)
-    index = positions.view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
-    row = logits.gather(1, index).squeeze(1)                       # (N, vocab)
-    return train.mlm_log_probs(row, row.shape[-1] if V is None else V)
-
-
-def pretraining_loss(net, inputs, positions, targets):
-    """L(θ) of §3 on these masked sentences: the loss at each masked position, mean over them.
-
-    targets [N] long: -log p_θ(x_t | x_-t) of the true word (the checkpoint's loss);
-    targets [N, V] float: cross-entropy against a distribution (e.g. the true conditional).
-    """
-    return _cross_entropy(log_probs_at(net, inputs, positions, n_words(net)), targets)
-
-
-def _cross_entropy(logp, targets):
-    """Mean -log p of hard targets [N], or cross-entropy against distributions [N, V]."""
-    if targets.is_floating_point():
-        return -(targets.to(logp.dtype) * logp).sum(-1).mean()
-    return -logp.gather(1, targets.view(-1, 1)).mean()
+def vmappable(net):
+    """`net` itself, or a copy whose nn.LSTM layers are FunctionalLSTM (same parameter names);
+    a forward pre-hook hands them the padding mask, which they cannot see in the embeddings."""
+    if not any(isinstance(m, nn.LSTM) for m in net.modules()):
+        return net
+    net = copy.deepcopy(net)
+    lstms = []
+    for m in list(net.modules()):
+        for child_name, child in list(m.named_children()):
+            if isinstance(child, nn.LSTM):
+                lstms.append(FunctionalLSTM(child))
+                setattr(m, child_name, lstms[-1])
+    pad = getattr(getattr(net, "config", None), "pad_id", None)
+    if pad is not None:
+        def set_keep(module, args):
+            for lstm in lstms:
+                lstm.keep = args[0] != pad                         # (B, T) True at real tokens
+        net.register_forward_pre_hook(set_keep)
+    return net
 
 
-def _chunk_size(params, chunk_size):
-    """Pairs per chunk: `chunk_size`, or as many as fit GRAD_FLOATS_PER_CHUNK (at most 512)."""
-    n_params = sum(p.numel() for p in params.values())
-    return chunk_size or max(1, min(512, GRAD_FLOATS_PER_CHUNK // n_params))
+def sq_grad_norms(net, inputs, positions, labels, chunk_size=None):
+    """‖∇_θ log p_θ(y_k | x_-t_k)‖² for each pair k, float64 [K] (App. B.2), eval mode.
 
-
-@contextlib.contextmanager
-def measuring(*nets):
-    """Eval mode (dropout off: the paper measures the deterministic loss) and the plain "math"
-    attention kernel: the fused CPU/GPU kernels have neither a vmap batching rule nor a double
-    backward, which per-sample gradients and Hessian-vector products need."""
-    modes = [net.training for net in nets]
-    for net in nets:
-        net.eval()
-    try:
-        with sdpa_kernel([SDPBackend.MATH]):
-            yield
-    finally:
-        for net, mode in zip(nets, modes):
-            net.train(mode)
-
-
-# ----------------------------------------------------------------------------- per-sample gradients
-def sq_grad_norms(net, inputs, positions, labels, chunk_size=None, progress=False):
-    """‖∇_θ log p_θ(y_k | x_-t_k)‖² for each pair k (App. B.2), float64 [K].
-
-    inputs [K, T] masked sentences, positions [K], labels [K], `chunk_size` pairs at a time
-    (default: ~128 MiB of per-sample gradients).  Transformers (and any model): one vmapped
-    per-sample gradient per pair.  Models built only of nn.Embedding, nn.Linear and nn.LSTM (the
-    LSTM models): one ordinary batched backward and the per-sample norms from the recorded
-    layer inputs and output gradients (`_layerwise_sq_norms`), measured faster than vmap there.
-    """
+    inputs [K, T], positions [K], labels [K], `chunk_size` pairs at a time (default: ~128 MiB
+    of per-sample gradients, at most 512). Two routes, equal up to float rounding (tested):
+    torch.func's vmap of grad (any model), and for models built of nn.Embedding, nn.Linear and
+    nn.LSTM alone (model.py's LSTMs) one batched backward (_layerwise_sq_norms), the route the
+    README's LSTM traces were computed with, bit for bit."""
     fnet = vmappable(net)
     params, _ = _params_and_buffers(net)
     one_chunk = (_layerwise_sq_norms if _layerwise_ok(fnet) else _vmap_sq_norms)(fnet, net)
-    chunk = _chunk_size(params, chunk_size)
-    out, t0, last = [], time.time(), time.time()
+    n_params = sum(p.numel() for p in params.values())
+    chunk = chunk_size or max(1, min(512, GRAD_FLOATS_PER_CHUNK // n_params))
     with measuring(net, fnet):
-        for s in range(0, len(labels), chunk):
-            out.append(one_chunk(inputs[s:s + chunk], positions[s:s + chunk],
-                                 labels[s:s + chunk]).double())
-            if progress and time.time() - last > 5:
-                last = time.time()
-                print(f"  per-sample gradients {s + chunk}/{len(labels)} "
-                      f"({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+        out = [one_chunk(inputs[s:s + chunk], positions[s:s + chunk], labels[s:s + chunk]).double()
+               for s in range(0, len(labels), chunk)]
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
 
@@ -585,8 +456,7 @@ def _vmap_sq_norms(fnet, net):
 
 def _layerwise_ok(fnet):
     """True if every trainable parameter belongs to exactly one nn.Embedding (no padding_idx),
-    nn.Linear or FunctionalLSTM, used once per forward (no weight tying): then per-sample
-    gradients are sums over positions of (output gradient) ⊗ (input) per layer."""
+    nn.Linear or FunctionalLSTM, used once per forward (no weight tying)."""
     layers = [m for m in fnet.modules() if isinstance(m, (nn.Embedding, nn.Linear, FunctionalLSTM))]
     if not any(isinstance(m, FunctionalLSTM) for m in layers) or \
             any(isinstance(m, nn.Embedding) and m.padding_idx is not None for m in layers):
@@ -606,45 +476,41 @@ def _sq_norm_of_sum(g, a):
 
 
 def _layerwise_sq_norms(fnet, net):
-    """Per-sample squared gradient norms from ONE batched backward (no vmap), for models made of
-    nn.Embedding, nn.Linear and nn.LSTM: sentence b's loss touches only sentence b's activations,
-    so ∂/∂(layer output) of the summed log-probs is per-sample, and each weight's per-sample
-    gradient is Σ_t (output gradient)_t ⊗ (input)_t (embedding: rows scattered by token)."""
+    """Per-sample squared gradient norms from ONE batched backward: sentence b's log-prob
+    touches only sentence b's activations, so ∂/∂(layer output) of the summed log-probs is
+    per-sample, and each weight's per-sample gradient is Σ_t (output gradient)_t ⊗ (input)_t
+    (embedding: rows scattered by token)."""
     V = n_words(net)
     lstms = [m for m in fnet.modules() if isinstance(m, FunctionalLSTM)]
     records = []
 
-    def linear_hook(module, args, out):
-        records.append(("linear", module, args[0], out))
-
-    def embedding_hook(module, args, out):
-        records.append(("embedding", module, args[0], out))
+    def hook(module, args, out):
+        records.append((module, args[0], out))
 
     def one_chunk(inputs, positions, labels):
         records.clear()
         for m in lstms:
             m.record = []
-        hooks = [m.register_forward_hook(linear_hook if isinstance(m, nn.Linear)
-                                         else embedding_hook)
-                 for m in fnet.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+        hooks = [m.register_forward_hook(hook) for m in fnet.modules()
+                 if isinstance(m, (nn.Linear, nn.Embedding))]
         try:
             logp = log_probs_at(fnet, inputs, positions, V).gather(1, labels.view(-1, 1)).sum()
         finally:
             for h in hooks:
                 h.remove()
-        if len({id(r[1]) for r in records}) < len(records) or any(
+        if len({id(r[0]) for r in records}) < len(records) or any(
                 len(m.record) != m.num_layers * (1 + m.bidirectional) for m in lstms):
             raise RuntimeError("a layer ran twice in one forward: its per-sample gradient is a sum "
                                "over calls; use the vmap route (_vmap_sq_norms) for this model")
-        outs = ([r[3] for r in records]
-                + [g for m in lstms for gates, _, _ in m.record for g in gates])
+        outs = [r[2] for r in records] + [g for m in lstms for gates, _, _ in m.record
+                                          for g in gates]
         grads = iter(torch.autograd.grad(logp, outs))
         total = torch.zeros(len(labels), dtype=torch.float32, device=inputs.device)
-        for kind, module, x, _ in records:
+        for module, x, _ in records:
             g = next(grads)
             B = g.shape[0]
-            g = g.reshape(B, -1, g.shape[-1])                         # (B, T, out)
-            if kind == "embedding":                                   # rows x_t get g_t
+            g = g.reshape(B, -1, g.shape[-1])                     # (B, T, out)
+            if isinstance(module, nn.Embedding):                  # rows x_t get g_t
                 same = (x.reshape(B, -1, 1) == x.reshape(B, 1, -1)).to(g.dtype)
                 total += ((g @ g.transpose(1, 2)) * same).sum((1, 2))
                 continue
@@ -653,7 +519,7 @@ def _layerwise_sq_norms(fnet, net):
                 total += g.sum(1).pow(2).sum(1)
         for m in lstms:
             for gates, x, h_prev in m.record:
-                g = torch.stack([next(grads) for _ in gates], 1)      # (B, T, 4H) gate gradients
+                g = torch.stack([next(grads) for _ in gates], 1)  # (B, T, 4H) gate gradients
                 # W_ih, W_hh; b_ih and b_hh both get Σ_t g_t
                 total += (_sq_norm_of_sum(g, x) + _sq_norm_of_sum(g, h_prev)
                           + 2 * g.sum(1).pow(2).sum(1))
@@ -663,51 +529,43 @@ def _layerwise_sq_norms(fnet, net):
     return one_chunk
 
 
-# ----------------------------------------------------------------------------- CLI
+# ----------------------------------------------------------------------------- command line
 @torch.no_grad()
 def masked_sentences(lang, n, seed=SENTENCE_SEED):
-    """n sentences of `lang`, one uniform mask each (data.mask_one): (inputs, targets, positions).
-    Fixed seed, so every checkpoint of a run is measured on the same sentences."""
+    """n sentences of `lang`, one uniform mask each (data.mask_one): (inputs, targets,
+    positions), the same for every checkpoint of a run."""
     tokens, lengths = lang.sentences(n, seed=seed)
     return data.mask_one(tokens, lengths, lang.vocab_size,
                          generator=torch.Generator().manual_seed(seed))
 
 
 def measure_checkpoint(path, args):
-    """One JSON row for checkpoint `path` (contract fields + settings), or None for a lookup
-    table."""
+    """One JSON row for checkpoint `path`, or None for a lookup table (no parameters)."""
     net, ckpt, lang = train.load_checkpoint(path, device=args.device)
     if ckpt["kind"] == "lookup":
-        print(f"{path}: lookup table (kind 'lookup') has no parameters, so no Hessian: skipped",
-              file=sys.stderr)
+        print(f"{path}: a lookup table has no parameters, so no Hessian: skipped", file=sys.stderr)
         return None
     t0 = time.time()
     inputs, targets, positions = (x.to(args.device) for x in masked_sentences(lang, args.sentences))
-    trace, trace_std = trace_hessian(net, inputs, positions, args.samples, args.repeats, args.seed,
-                                     chunk_size=args.chunk, progress=True)
+    trace, trace_std = trace_hessian(net, inputs, positions, args.samples, args.repeats, DRAW_SEED)
     sub = slice(0, args.hvp_sentences)                             # HVP measures: a subset
-    hvp_args = (net, inputs[sub], positions[sub], targets[sub])
-    print(f"  trace {trace:.4g} ± {trace_std:.2g} ({time.time() - t0:.0f}s); extreme eigenvalues "
-          f"({args.eig_iters} Lanczos HVPs) and SAM on {len(hvp_args[1])} sentences",
-          file=sys.stderr, flush=True)
-    lowest, top = lanczos_extremes(*hvp_args, n_iter=args.eig_iters, seed=args.seed)
+    x, pos, y = inputs[sub], positions[sub], targets[sub]
+    print(f"  trace {trace:.4g} ± {trace_std:.2g} ({time.time() - t0:.0f}s); eigenvalues and SAM "
+          f"on {len(x)} sentences", file=sys.stderr, flush=True)
+    lowest, top = lanczos_extremes(net, x, pos, y, n_iter=args.eig_iters, seed=DRAW_SEED)
     row = {"ckpt": str(path), "step": ckpt["step"], "trace": trace, "trace_std": trace_std,
            "top_eigenvalue": top, "min_eigenvalue": lowest,
-           "sam_sharpness": sam_sharpness(*hvp_args, rho=args.sam_rho)}
+           "sam_sharpness": sam_sharpness(net, x, pos, y, rho=SAM_RHO)}
     if args.fisher_gap:
-        x, pos = hvp_args[1], hvp_args[2]
         p_true = lang.mlm_conditional(x.cpu(), (x != data.pad_id(lang.vocab_size)).sum(1).cpu())
         p_true = p_true[torch.arange(len(x)), pos.cpu()].to(x.device)
-        gap, gap_se = fisher_gap(net, x, pos, p_true, args.fisher_gap, args.seed)
+        gap, gap_se = fisher_gap(net, x, pos, p_true, args.fisher_gap, DRAW_SEED)
         row.update(fisher_gap=gap, fisher_gap_se=gap_se)
-    if args.hutchinson_probes:
-        mean, sem, _ = hutchinson_trace(*hvp_args, n_probes=args.hutchinson_probes, seed=args.seed)
-        row.update(hutchinson_trace=mean, hutchinson_sem=sem)
     with torch.no_grad(), measuring(net):
         row["loss"] = pretraining_loss(net, inputs, positions, targets).item()
     row.update(n_sentences=len(inputs), n_samples=args.samples, n_repeats=args.repeats,
-               seed=args.seed, sentence_seed=SENTENCE_SEED, hvp_sentences=len(inputs[sub]),
-               eig_iters=args.eig_iters, sam_rho=args.sam_rho, n_params=model_lib.n_params(net),
+               seed=DRAW_SEED, sentence_seed=SENTENCE_SEED, hvp_sentences=len(x),
+               eig_iters=args.eig_iters, sam_rho=SAM_RHO, n_params=model_lib.n_params(net),
                device=args.device, wall_s=round(time.time() - t0, 2))
     return row
 
@@ -726,42 +584,26 @@ def parse_args(argv=None):
     setting("--sentences", "masked sentences per checkpoint")
     setting("--samples", "labels ỹ drawn from the model per sentence")
     setting("--repeats", "independent repetitions for the std, >= 2")
-    setting("--hvp-sentences",
-            "sentences (the first of the measured ones) for eigenvalues, SAM and Hutchinson")
-    setting("--eig-iters", "Lanczos iterations (HVPs) for the extreme Hessian eigenvalues; "
-            "measured: the top one within 1e-3 relative after 10, 1e-6 after 20; the lowest "
-            "one up to 25%% off after 10, 2%% after 20, 0.2%% after 40")
-    a("--paper", action="store_true",
-      help="App. B.2's scale: 10,000 sentences × 50 samples × 5 repeats, 1000 HVP sentences, "
-           "20 Lanczos steps (a GPU job); explicit flags still override")
-    a("--seed", type=int, default=0, help="seed of the ỹ draws and of the HVP probe vectors")
-    a("--sam-rho", type=float, default=0.05, help="radius rho of the SAM sharpness")
-    a("--hutchinson-probes", type=int, default=0,
-      help="also report Hutchinson's Tr[∇²L] on the true labels with this many Rademacher "
-           "probes (what the authors' released script measured); 0 = off")
+    setting("--hvp-sentences", "sentences (the first of the above) for eigenvalues, SAM, gap")
+    setting("--eig-iters", "Lanczos iterations (HVPs) for the extreme Hessian eigenvalues")
+    a("--paper", action="store_true", help="App. B.2's sizes (a GPU job); explicit flags win")
     a("--fisher-gap", type=int, default=0,
-      help="also report Tr[∇²L] - Tr[G] on the HVP sentences against the true conditional, "
-           "with this many Rademacher probes (fisher_gap); 0 = off")
-    a("--chunk", type=int, default=None,
-      help="per-sample gradients per vmap call (default: ~128 MiB of gradients)")
+      help="also report Tr[∇²L] - Tr[G] against the true conditional with this many "
+           "Rademacher probes (fisher_gap); 0 = off")
     a("--device", default="cpu", help="cpu (default) or cuda")
-    a("--threads", type=int, default=1,
-      help="torch CPU threads (default 1: on 2 shared cores a second thread was 13-20x slower)")
-    a("--sgd-demo", action="store_true",
-      help="run the Theorem 3.3 demonstration (toy factorised softmax) instead of checkpoints")
+    a("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    a("--sgd-demo", action="store_true", help="run Theorem 3.3's demonstration instead")
     args = p.parse_args(argv)
     for key, value in (PAPER_SETTINGS if args.paper else CPU_SETTINGS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if not args.sgd_demo and not args.checkpoints:
         p.error("give checkpoint files (runs/NAME/ckpt_*.pt) or --sgd-demo")
-    bad = [f"--{k} must be >= {m} (got {getattr(args, k)})" for k, m in
+    bad = [f"--{k.replace('_', '-')} must be >= {m} (got {getattr(args, k)})" for k, m in
            (("sentences", 1), ("samples", 1), ("repeats", 2), ("hvp_sentences", 1),
-            ("eig_iters", 1), ("hutchinson_probes", 0), ("fisher_gap", 0), ("threads", 1))
-           if getattr(args, k) < m]
+            ("eig_iters", 1), ("fisher_gap", 0), ("threads", 1)) if getattr(args, k) < m]
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        bad.append("--device cuda asked for, but torch.cuda.is_available() is False; "
-                   "use --device cpu")
+        bad.append("--device cuda asked for, but torch.cuda.is_available() is False")
     bad += train.missing_checkpoints(args.checkpoints)
     if bad:
         p.error("; ".join(bad))
@@ -779,20 +621,20 @@ def main(argv=None):
         print(f"Tr[∇²L] {rows[0][2]:.3f} -> {rows[-1][2]:.3f} while |loss - entropy| <= "
               f"{max(abs(r[1]) for r in rows):.3f} nats (O(lr) fluctuation around the manifold)")
         return
+    try:                                   # every file checked before anything is written
+        for path in args.checkpoints:
+            train.read_checkpoint(path)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"hessian.py: error: {e}")
     for i, path in enumerate(args.checkpoints):
         print(f"[{i + 1}/{len(args.checkpoints)}] {path}: {args.sentences} sentences × "
-              f"{args.samples} samples × {args.repeats} repeats on {args.device} (eval mode: "
-              f"dropout off)",
+              f"{args.samples} samples × {args.repeats} repeats on {args.device}",
               file=sys.stderr, flush=True)
-        try:
-            row = measure_checkpoint(path, args)
-        except (ValueError, FileNotFoundError) as e:
-            sys.exit(f"hessian.py: error: {e}")
-        if row is None:
-            continue
-        print(json.dumps(row), flush=True)
-        with open(Path(path).parent / "hessian.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+        row = measure_checkpoint(path, args)
+        if row is not None:
+            print(json.dumps(row), flush=True)
+            with open(Path(path).parent / "hessian.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

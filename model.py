@@ -1,54 +1,20 @@
-"""Masked-LM networks of the paper: BERT-style transformers (App. B.1.2) and bidirectional LSTMs
-(§2.2, the HMM models), named size presets, and grow(): a function-preserving embedding of a
-model into a wider and deeper one (App. B.1).
+"""Masked-LM networks of the paper (App. B.1): BERT-style transformers (post- or pre-LN), the
+bidirectional LSTMs of its HMM experiments (§2.2), named size presets, and grow(), which embeds
+a model in a wider and deeper one computing the same function (App. B.1.3).
 
     python model.py                 # list the presets with their parameter counts
-    python model.py --check-grow    # grow random float64 models and print max |logit diff|
+    python model.py --check-grow    # grow random float64 models: max |logit difference|
 
 Interface (used by train.py, hessian.py, probe.py):
-    config = config_from_preset("tf-2m", vocab_size=V + 2, pad_id=V + 1, max_len=32, ln="pre")
+    config = config_from_preset("tf-2m", vocab_size=V + 2, pad_id=V + 1, max_len=32)
     net = build(config)             # nn.Module with .config
     logits = net(tokens)            # [B, T, vocab_size]; tokens == config.pad_id are padding
     h = net.features(tokens)        # [B, T, d], the last-layer representations probes read
     big = grow(net, width=2, extra_layers=1)   # same logits, 2x heads/width, one more block
 
-Transformer (App. B.1.2). d = head_dim * n_heads (head_dim 64 as in the paper, 32 in the CPU
-preset "tf-1m"), MLP width 4d with GeLU, token embedding W_E [vocab, d] tied to the output
-layer, learned positions, h_0 = LN(W_E[x] + P):
-    ln="post" (the paper's text):  v = LN(h + Attn(h));        h' = LN(v + MLP(v))
-    ln="pre"  (the authors' released academic-budget-bert code):
-                                   v = h + Attn(LN(h));        h' = v + MLP(LN(v))
-              followed by a final LayerNorm after the last block.
-    logits = h_L W_E^T + b.        Keys at padded positions are masked out of attention, so the
-    outputs at real positions do not depend on what stands in padded positions.
-
-LSTM. Parameter layout (names as in state_dict; hessian.py may re-implement the recurrence
-from them): embed.weight [vocab, H]; lstm = nn.LSTM(H, H, n_layers, bidirectional=True,
-batch_first=True) with PyTorch's names weight_ih_l{k}[_reverse] [4H, in_k] (in_0 = H, else 2H),
-weight_hh_l{k}[_reverse] [4H, H], bias_ih_l{k}[_reverse], bias_hh_l{k}[_reverse] [4H], gates in
-PyTorch's order (i, f, g, o); head.weight [vocab, 2H], head.bias [vocab]. Features are the
-top layer's [forward, backward] states, d = 2H. Padding must be a suffix (data.py's
-convention); padded sequences are packed, so the backward direction starts at the last real token.
-
-Sizes (§2.2: transformers 2M-730M, LSTMs 10M-135M; App. A.3's size table is lost from our copy
-of the paper, so the shapes are ours). Parameter counts depend on the vocabulary, so a preset's
-name is its count, within 5%, at the reference vocabulary of its family (REFERENCE):
-transformers at 30,522 tokens and 128 positions (BERT's vocabulary, which the authors' released
-code uses; at it, the shapes below give the sizes the paper quotes: 2M, 4M, 9M, 41M, 235M,
-730M), LSTMs at 202 tokens (the paper's HMM: 200 words + 2 special tokens). On a small synthetic
-vocabulary a transformer is much smaller: "tf-2m" (d=64, 2 layers) has about 0.1M parameters on
-a 12-word language and is the CPU size; "tf-1m" (d=32: one head of width 32, 2 layers) has
-26,650 on train.py's "pcfg-small" and saturates it on one CPU thread in about 6 minutes;
-"lstm-62k" is the CPU LSTM.
-
-grow() (App. B.1) embeds a model in one with k times the heads/features/MLP units (exact for
-both LayerNorm placements and for the LSTM) and extra transformer blocks on top (exact for both
-placements). The paper's claim that zero-filled blocks on top preserve a post-LN transformer is
-not exact (zero_filled_blocks() is that construction; grow()'s docstring proves that no block on
-top of the unchanged model is exact for the continuum of inputs a LayerNorm can receive, not for
-a model's finite set of inputs). In practice the error is small at trained-like LayerNorm
-parameters and large only at random ones: `python model.py --check-grow` prints both. An exact
-post-LN construction exists once the old top block is re-parametrised, and grow() uses it.
+Reading order: ModelConfig and PRESETS (the sizes), attention and the transformer's blocks, the
+LSTM, grow; then the plumbing (the fused attention the model runs, initialisation, padding mask,
+presets, the --check-grow table).
 """
 import argparse
 import math
@@ -78,7 +44,7 @@ class ModelConfig:
     dropout: float = 0.0
     lstm_hidden: int = 128  # LSTM only: hidden size H per direction; features have d = 2H
     # transformer only: width of each head. The paper's (BERT's) 64 everywhere; narrower heads
-    # only make the CPU-scale models (d = 32) that saturate a small PCFG in minutes (§2.2).
+    # make the CPU-scale models (d = 32) for the small PCFG (§2.2).
     # Checkpoints written before this field existed rebuild with the default.
     head_dim: int = HEAD_DIM
 
@@ -104,10 +70,47 @@ class ModelConfig:
         return self.head_dim * self.n_heads if self.arch == "transformer" else 2 * self.lstm_hidden
 
 
+# Sizes (§2.2: transformers 2M-730M, LSTMs 10M-135M; the shapes are ours). A preset's name is
+# its parameter count, within 5%, at its family's REFERENCE vocabulary: BERT's 30,522 tokens and
+# 128 positions for transformers, the paper's HMM (200 words + 2 special tokens) for LSTMs. On a
+# small synthetic vocabulary a transformer is much smaller ("tf-1m": 26,650 on "pcfg-small").
+REFERENCE = {"transformer": dict(vocab_size=30522, pad_id=0, max_len=128),
+             "lstm": dict(vocab_size=202, pad_id=201, max_len=32)}
+PRESETS = {
+    "tf-1m": dict(arch="transformer", n_heads=1, n_layers=2, head_dim=32),  # CPU: "pcfg-small"
+    "tf-2m": dict(arch="transformer", n_heads=1, n_layers=2),
+    "tf-4m": dict(arch="transformer", n_heads=2, n_layers=1),
+    "tf-9m": dict(arch="transformer", n_heads=4, n_layers=1),
+    "tf-41m": dict(arch="transformer", n_heads=8, n_layers=8),
+    "tf-235m": dict(arch="transformer", n_heads=16, n_layers=16),
+    "tf-730m": dict(arch="transformer", n_heads=24, n_layers=24),
+    "lstm-62k": dict(arch="lstm", lstm_hidden=32, n_layers=2),  # CPU: "hmm-small"
+    "lstm-4m": dict(arch="lstm", lstm_hidden=128, n_layers=10),  # §3: "the smallest 4M model"
+    "lstm-10m": dict(arch="lstm", lstm_hidden=192, n_layers=12),
+    "lstm-36m": dict(arch="lstm", lstm_hidden=512, n_layers=6),
+    "lstm-135m": dict(arch="lstm", lstm_hidden=640, n_layers=14),
+}
+
+
 # ==================================================================================================
-# the paper's models (App. B.1): BERT-style transformer, bidirectional LSTM
+# the paper's models (App. B.1): BERT-style transformer, bidirectional LSTM, grow()
 # ==================================================================================================
-# ------------------------------------------------------------------------------ transformer ---
+
+def attention(q, k, v, keep):
+    """Scaled dot-product attention of every head (App. B.1.2; Vaswani et al. 2017):
+
+        Attn(Q, K, V) = softmax(Q K^T / sqrt(d_head) + M) V,   M[s, t] = -inf if key t is padding
+
+    so that no position reads a padded one. q, k, v: [B, n_heads, T, d_head] (each head's
+    queries, keys, values); keep: [B, T] bool, True at real tokens (at least one per row).
+    Returns [B, n_heads, T, d_head]. The model runs the same through PyTorch's fused kernel
+    (fast_attention, in the plumbing)."""
+    # BEGIN EXERCISE attention
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, nh, T, T)
+    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+    return scores.softmax(-1) @ v
+    # END EXERCISE attention
+
 
 class SelfAttention(nn.Module):
     """Multi-head self-attention, head dimension head_dim (64), padded keys masked (App. B.1.2)."""
@@ -126,9 +129,7 @@ class SelfAttention(nn.Module):
         q, k, v = self.qkv(h).split(d, dim=2)
         q, k, v = (x.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
                    for x in (q, k, v))  # (B, nh, T, hd)
-        mask = keep[:, None, None, :]  # (B, 1, 1, T): True where the key is a real token
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = fast_attention(q, k, v, keep, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, d)  # heads side by side
         return self.resid_drop(self.proj(y))
 
@@ -147,7 +148,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One transformer block, post-LN (paper) or pre-LN (released code)."""
+    """One transformer block: post-LN (the paper's text)  v = LN(h + Attn(h)), h' = LN(v + MLP(v));
+    pre-LN (the authors' released code)  v = h + Attn(LN(h)), h' = v + MLP(LN(v))."""
 
     def __init__(self, config):
         super().__init__()
@@ -166,7 +168,9 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """BERT-style masked LM with tied input/output embedding (App. B.1.2)."""
+    """BERT-style masked LM (App. B.1.2): h_0 = LN(W_E[x] + P) with learned positions P, then
+    the blocks (pre-LN: and a final LayerNorm), logits = h_L W_E^T + b with the token embedding
+    W_E tied to the output layer. Outputs at real positions do not depend on padded ones."""
 
     def __init__(self, config):
         super().__init__()
@@ -196,11 +200,14 @@ class Transformer(nn.Module):
         return self.features(tokens) @ self.wte.weight.T + self.out_bias
 
 
-# ------------------------------------------------------------------------------------- LSTM ---
-
 class LSTM(nn.Module):
-    """Bidirectional LSTM masked LM (the paper's HMM models, §2.2); layout in the module
-    docstring."""
+    """Bidirectional LSTM masked LM (the paper's HMM models, §2.2). Parameters (hessian.py may
+    re-implement the recurrence from them): embed.weight [vocab, H]; lstm = nn.LSTM(H, H,
+    n_layers, bidirectional=True, batch_first=True) with PyTorch's weight_ih_l{k}[_reverse]
+    [4H, in_k] (in_0 = H, else 2H), weight_hh_l{k}[_reverse] [4H, H], bias_ih / bias_hh [4H],
+    gates in PyTorch's order (i, f, g, o); head.weight [vocab, 2H], head.bias [vocab]. Features:
+    the top layer's [forward, backward] states, d = 2H. Padding is a suffix (data.py's
+    convention); padded rows are packed, so the backward direction starts at the last real token."""
 
     def __init__(self, config):
         super().__init__()
@@ -233,10 +240,126 @@ class LSTM(nn.Module):
         return self.head(self.drop(self.features(tokens)))
 
 
+def grow(model, width=2, extra_layers=0, seed=0):
+    """App. B.1.3: the model embedded in one with `width` = k times the heads, features and MLP
+    units (LSTM: hidden units) and `extra_layers` more transformer blocks on top, computing the
+    same logits (exactly, up to float rounding). The source model is left unchanged.
+
+    Width: every feature, head, MLP unit and LSTM unit (per gate, per direction) is copied k
+    times and every weight that reads copies is divided by k, so each residual stream / LSTM
+    state is exactly [h, ..., h]: a LayerNorm sees the same mean and variance, attention the same
+    scores. The tied output layer would give k times the logits, so the LayerNorm producing h_L
+    (pre-LN: ln_f; post-LN: the last block's ln_2) has its gain and bias divided by k, and
+    features() become [h, ..., h] / k; the LSTM's head divides by k instead.
+    Depth (transformers): a new block with zero attention and MLP output projections (its other
+    weights fresh from `seed`, so it can train) is the identity on a pre-LN stream. On a post-LN
+    stream it is not: the paper's zero-filled blocks change the function (zero_filled_blocks,
+    `python model.py --check-grow`), so the old top block is re-parametrised (_deepen_post_ln).
+    LSTM depth has no exact construction (a layer has no residual path): ValueError."""
+    config = model.config
+    if not (isinstance(width, int) and width >= 1
+            and isinstance(extra_layers, int) and extra_layers >= 0):
+        raise ValueError(f"grow: width must be an integer >= 1 and extra_layers an integer >= 0, "
+                         f"got width={width!r}, extra_layers={extra_layers!r}")
+    if extra_layers and config.arch == "lstm":
+        raise ValueError("grow: extra_layers > 0 is not supported for an LSTM: a layer has no "
+                         "residual path, so no new layer on top reproduces the old outputs; use "
+                         "extra_layers=0 (width is exact)")
+    # BEGIN EXERCISE grow
+    k = width
+
+    def tile(w, n_row=1, n_col=1):  # w in n_row x n_col blocks, each repeated k x k, over k
+        return torch.cat([torch.cat([b.repeat(k, k) / k for b in row.chunk(n_col, 1)], 1)
+                          for row in w.chunk(n_row, 0)], 0)
+
+    def tile_vec(b, n=1):  # b in n parts, each repeated k times
+        return torch.cat([part.repeat(k) for part in b.chunk(n)])
+
+    state = {}
+    for name, p in model.state_dict().items():
+        if name in ("wte.weight", "wpe.weight", "embed.weight"):
+            state[name] = p.repeat(1, k)  # embeddings produce the stream [e, e, ..., e]
+        elif name in ("out_bias", "head.bias"):
+            state[name] = p
+        elif name == "head.weight":  # reads [forward, backward], each now k copies
+            state[name] = torch.cat([b.repeat(1, k) / k for b in p.chunk(2, 1)], 1)
+        elif name.endswith("qkv.weight"):
+            state[name] = tile(p, n_row=3)  # queries, keys, values each: heads copied
+        elif name.endswith("qkv.bias"):
+            state[name] = tile_vec(p, n=3)
+        elif name.startswith("lstm.weight_ih_l0"):  # reads the embedding; gates (i, f, g, o)
+            state[name] = tile(p, n_row=4)
+        elif name.startswith("lstm.weight_ih"):  # reads [forward, backward] of the layer below
+            state[name] = tile(p, n_row=4, n_col=2)
+        elif name.startswith("lstm.weight_hh"):
+            state[name] = tile(p, n_row=4)
+        elif name.startswith("lstm."):
+            state[name] = tile_vec(p, n=4)  # gate biases
+        elif p.dim() == 2:
+            state[name] = tile(p)  # attention output O, MLP fc and proj
+        else:
+            state[name] = tile_vec(p)  # LayerNorm gains and biases, linear biases
+    if config.arch == "transformer":  # tied W_E: h_L = [h, ..., h] would give k times the logits
+        last = "ln_f" if config.ln == "pre" else f"blocks.{config.n_layers - 1}.ln_2"
+        state[last + ".weight"] = state[last + ".weight"] / k
+        state[last + ".bias"] = state[last + ".bias"] / k
+        if extra_layers and config.ln == "post":
+            _deepen_post_ln(state, config.n_layers, extra_layers)
+        wider = {"n_heads": k * config.n_heads, "n_layers": config.n_layers + extra_layers}
+    else:
+        wider = {"lstm_hidden": k * config.lstm_hidden}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        big = build(ModelConfig(**{**vars(config), **wider}))
+    p = next(model.parameters())
+    big = big.to(device=p.device, dtype=p.dtype)
+    missing, unexpected = big.load_state_dict(state, strict=False)
+    assert not unexpected and all(int(n.split(".")[1]) >= config.n_layers for n in missing)
+    with torch.no_grad():
+        for block in big.blocks[config.n_layers:] if config.arch == "transformer" else []:
+            for layer in (block.attn.proj, block.mlp.proj):  # zero branches: Attn = MLP = 0
+                layer.weight.zero_()
+                layer.bias.zero_()
+    return big.train(model.training)
+    # END EXERCISE grow
+
+
+def _deepen_post_ln(state, n_layers, extra_layers, s=0.5):
+    """Exact post-LN blocks on top (grow()). With N(y) = P y / sqrt(var(y) + eps), P centring,
+    and c > 0: N(c N_e(y)) = N_e'(y) c / sqrt(c^2 + eps), e' = eps e / (c^2 + eps): a LayerNorm of
+    a scalar-gain, bias-free LayerNorm output normalises y again, with a smaller effective eps.
+    So: the old last block's y = v + MLP(v) is scaled by s (its N(y) then has effective eps
+    eps / s^2), its second LayerNorm gets gain c, bias 0; the new LayerNorms gain sqrt(c^2 + eps),
+    bias 0, except the last: gamma sqrt(c^2 + eps) / c and beta (the old last gain and bias). With
+    c^2 = eps (s^(-2/m) - 1) over the m = 2 * extra_layers new LayerNorms the effective eps is
+    back to eps at the last one, whose output is gamma N(y) + beta = h_L. Edits `state`."""
+    old, top = f"blocks.{n_layers - 1}.", f"blocks.{n_layers + extra_layers - 1}.ln_2."
+    m = 2 * extra_layers  # LayerNorms applied by the new blocks
+    c = math.sqrt(LN_EPS * (s ** (-2 / m) - 1))  # brings the effective eps back to LN_EPS
+    g = math.sqrt(c * c + LN_EPS)  # keeps the scalar factor at c through every new LayerNorm
+    gamma, beta = state[old + "ln_2.weight"], state[old + "ln_2.bias"]
+    for name in ("ln_1.weight", "ln_1.bias", "mlp.proj.weight", "mlp.proj.bias"):
+        state[old + name] = state[old + name] * s  # y = v + MLP(v) becomes s * y
+    state[old + "mlp.fc.weight"] = state[old + "mlp.fc.weight"] / s
+    state[old + "ln_2.weight"], state[old + "ln_2.bias"] = (
+        torch.full_like(gamma, c), torch.zeros_like(beta))
+    for i in range(n_layers, n_layers + extra_layers):
+        for ln in ("ln_1", "ln_2"):
+            state[f"blocks.{i}.{ln}.weight"] = torch.full_like(gamma, g)
+            state[f"blocks.{i}.{ln}.bias"] = torch.zeros_like(beta)
+    state[top + "weight"], state[top + "bias"] = gamma * (g / c), beta
+
+
 # ==================================================================================================
-# plumbing: initialisation, presets
+# plumbing: fused attention, initialisation, padding, presets, the command line
 # ==================================================================================================
-# ---------------------------------------------------------------------------------- helpers ---
+
+def fast_attention(q, k, v, keep, dropout=0.0):
+    """attention() through PyTorch's fused kernel (plus attention dropout while training): the
+    route the model takes, held equal to the plain form by the tests."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :],
+                                          dropout_p=dropout)
+
 
 def _init_weights(module):
     """BERT initialisation: N(0, 0.02) weights, zero biases, LayerNorm gain 1 and bias 0."""
@@ -268,30 +391,6 @@ def n_params(model):
     return sum(p.numel() for p in model.parameters())
 
 
-# ---------------------------------------------------------------------------------- presets ---
-
-# Vocabulary and positions at which a preset's name is its parameter count (see docstring).
-REFERENCE = {"transformer": dict(vocab_size=30522, pad_id=0, max_len=128),
-             "lstm": dict(vocab_size=202, pad_id=201, max_len=32)}
-
-PRESETS = {
-    # transformers at the sizes the paper quotes; "tf-2m" is also the CPU size
-    "tf-1m": dict(arch="transformer", n_heads=1, n_layers=2, head_dim=32),  # CPU: "pcfg-small"
-    "tf-2m": dict(arch="transformer", n_heads=1, n_layers=2),
-    "tf-4m": dict(arch="transformer", n_heads=2, n_layers=1),
-    "tf-9m": dict(arch="transformer", n_heads=4, n_layers=1),
-    "tf-41m": dict(arch="transformer", n_heads=8, n_layers=8),
-    "tf-235m": dict(arch="transformer", n_heads=16, n_layers=16),
-    "tf-730m": dict(arch="transformer", n_heads=24, n_layers=24),
-    # bidirectional LSTMs for the HMM (§2.2: 10M-135M, hidden 128-1024, 4-16 layers); 62k: CPU
-    "lstm-62k": dict(arch="lstm", lstm_hidden=32, n_layers=2),
-    "lstm-4m": dict(arch="lstm", lstm_hidden=128, n_layers=10),  # §3: "the smallest 4M model"
-    "lstm-10m": dict(arch="lstm", lstm_hidden=192, n_layers=12),
-    "lstm-36m": dict(arch="lstm", lstm_hidden=512, n_layers=6),
-    "lstm-135m": dict(arch="lstm", lstm_hidden=640, n_layers=14),
-}
-
-
 def config_from_preset(name, vocab_size, pad_id, max_len, **overrides):
     """ModelConfig for preset `name` on a language with `vocab_size` tokens (incl. specials)."""
     if name not in PRESETS:
@@ -305,185 +404,6 @@ def preset_n_params(name):
     config = config_from_preset(name, **REFERENCE[PRESETS[name]["arch"]])
     with torch.device("meta"):
         return n_params(build(config))
-
-
-# ==================================================================================================
-# the paper's growth operator (App. B.1): same function, larger model
-# ==================================================================================================
-# ------------------------------------------------------------------------------------- grow ---
-
-def grow(model, width=2, extra_layers=0, seed=0):
-    """App. B.1: a model with `width` = k times the heads, features and MLP units (LSTM: hidden
-    units) and `extra_layers` more blocks on top, computing exactly the same logits.
-
-    Width. Every feature, head and MLP unit is replicated k times and every weight that reads
-    replicated inputs is divided by k, so each residual stream is exactly [h, h, ..., h]. A
-    LayerNorm of a replicated vector has the same mean and variance, so no eps issue arises
-    (no vector entering a LayerNorm is rescaled); attention scores are unchanged (heads are
-    copied, head dimension unchanged). With tied weights the logits would come out k times too
-    large, so the gain and bias of the LayerNorm that produces h_L (pre: the final LN; post: the
-    last block's second LN) are divided by k: exact, and features() become [h, ..., h] / k.
-    (The paper's text rescales W_E instead; that rescales the input of the embedding LayerNorm,
-    which is exact only if its eps is rescaled by the square of the factor.) LSTM: embedding,
-    gates, cells and states are replicated the same way, per gate and per direction.
-
-    Depth, pre-LN. A block whose attention output projection and MLP output projection are zero
-    (weights and biases) is the identity on the residual stream, h + 0 + 0 = h, whatever its
-    other parameters. New blocks are freshly initialised from `seed` (so they can train) with
-    those two projections zeroed, and go before the final LayerNorm.
-
-    Depth, post-LN. Write N(x) = P x / sqrt(var(x) + eps) (P centres x), so
-    LN(x) = gain*N(x) + bias.
-    (a) The paper's claim is not exact: zero-filled blocks on top of the unchanged model change
-    its function (zero_filled_blocks()), and so does every other post-LN block, over the
-    continuum of inputs the last LayerNorm can receive (the theorem); on a model's finite set of
-    inputs the change can be small. `python model.py --check-grow` (N(0, 1) weights): max logit
-    change ~1e-4 at LayerNorm gain 1, bias 0; ~0.6 at gain 1 ± 0.1, bias ± 0.05; 9-16 with every
-    LayerNorm parameter ~ N(0, 1).
-      Theorem. Let eps > 0 and let the model's last LayerNorm have gain gamma and bias beta. With
-      the small model kept as it is, no post-LN block B on top (any parameters: zero or not,
-      LayerNorm gains/biases any function of gamma, beta) and no output layer W', b' satisfy
-      W' B(h) + b' = W_E h + b for every h that last LayerNorm can output, unless
-      W_E (gamma * u) = 0 for every centred u (the old logits do not depend on h_L at all).
-      Proof. That LayerNorm maps z = mu + s*u (u centred, var(u) = 1, the same s at every
-      position) to h(t) = gamma * t*u + beta with t = s / sqrt(s^2 + eps), so every t in [0, 1)
-      is reached. B(h(t)) is real-analytic in t on all of R (LayerNorm with eps > 0, softmax,
-      GeLU and affine maps are analytic) and bounded on R, because B ends in a LayerNorm, whose
-      output has |LN(x)_i| <= |gain_i| sqrt(d) + |bias_i|. The right side is affine in t. Two
-      analytic functions equal on [0, 1) are equal on R, and a bounded affine function is
-      constant, so W_E (gamma * u) = 0.  []
-    (b) Exact construction, re-parametrising the old last block (so (a) does not apply). For a
-      scalar c > 0 and var(y) = a:
-          N(c P y / sqrt(a + e)) = c / sqrt(c^2 + eps) * P y / sqrt(a + e')
-      with e' = eps * e / (c^2 + eps): a LayerNorm of a scalar-gain, bias-free LayerNorm output
-      is again a normalisation of y, with a smaller effective eps. So (_deepen_post_ln):
-      scale the old last block's y = v + MLP(v) by s = 1/2 (its first LayerNorm's gain and bias
-      and its MLP output weights times s, MLP input weights divided by s), which makes its N(y)
-      a normalisation with effective eps 4*eps; give its second LayerNorm gain c, bias 0; give
-      the new blocks zero output projections, every new LayerNorm gain sqrt(c^2 + eps), bias 0,
-      except the last one: gain gamma * sqrt(c^2 + eps) / c and bias beta. Each of the m = 2E
-      new LayerNorms keeps the factor c and multiplies the effective eps by eps / (c^2 + eps);
-      with c^2 = eps * (4^(1/m) - 1) it is exactly eps after the last one, whose output is then
-      gamma * N(y) + beta = h_L (logits and features unchanged). The new blocks' other
-      parameters are free (fresh from `seed`); the stream between them is small (gain ~ c,
-      about 3e-3 for one block) but exact.
-
-    Depth, LSTM: raises ValueError. No exact construction is known to us: a layer has no
-    residual path; with the old layers kept, a new top layer's output o * tanh(c) is bounded and
-    analytic in the old top layer's outputs while the old logits are a non-constant affine
-    function of them, so as in (a) the two cannot agree on any open set of those outputs.
-    """
-    config = model.config
-    if not (isinstance(width, int) and width >= 1
-            and isinstance(extra_layers, int) and extra_layers >= 0):
-        raise ValueError(f"grow: width must be an integer >= 1 and extra_layers an integer >= 0, "
-                         f"got width={width!r}, extra_layers={extra_layers!r}")
-    if extra_layers and config.arch == "lstm":
-        raise ValueError("grow: extra_layers > 0 is not supported for an LSTM: a layer has no "
-                         "residual path and its output o*tanh(c) is bounded, so a new layer on top "
-                         "cannot reproduce the old one's outputs (see grow's docstring); use "
-                         "extra_layers=0 (width is exact)")
-    k = width
-    if config.arch == "transformer":
-        big_config = ModelConfig(**{**vars(config), "n_heads": k * config.n_heads,
-                                    "n_layers": config.n_layers + extra_layers})
-        state = _widen_transformer(model.state_dict(), k, config)
-        if extra_layers and config.ln == "post":
-            _deepen_post_ln(state, config.n_layers, extra_layers)
-    else:
-        big_config = ModelConfig(**{**vars(config), "lstm_hidden": k * config.lstm_hidden})
-        state = _widen_lstm(model.state_dict(), k)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        big = build(big_config)
-    p = next(model.parameters())
-    big = big.to(device=p.device, dtype=p.dtype)
-    missing, unexpected = big.load_state_dict(state, strict=False)
-    assert not unexpected and all(int(n.split(".")[1]) >= config.n_layers for n in missing)
-    with torch.no_grad():
-        for block in big.blocks[config.n_layers:] if config.arch == "transformer" else []:
-            for layer in (block.attn.proj, block.mlp.proj):  # zero branches: Attn = MLP = 0
-                layer.weight.zero_()
-                layer.bias.zero_()
-    return big.train(model.training)
-
-
-def _tile(w, k, n_row=1, n_col=1):
-    """Split matrix w into n_row x n_col blocks; repeat each block k x k and divide by k (its
-    input is k copies of the old one, its output k copies of the old output)."""
-    return torch.cat([torch.cat([b.repeat(k, k) / k for b in row.chunk(n_col, 1)], 1)
-                      for row in w.chunk(n_row, 0)], 0)
-
-
-def _tile_vec(b, k, n=1):
-    """Split vector b into n parts and repeat each part k times (biases, LayerNorm gains)."""
-    return torch.cat([part.repeat(k) for part in b.chunk(n)])
-
-
-def _widen_transformer(state, k, config):
-    """Widened state: residual stream, heads and MLP units replicated k times (App. B.1.2)."""
-    new = {}
-    for name, p in state.items():
-        if name in ("wte.weight", "wpe.weight"):
-            new[name] = p.repeat(1, k)  # embeddings produce the stream [e, e, ..., e]
-        elif name == "out_bias":
-            new[name] = p
-        elif name.endswith("qkv.weight"):
-            new[name] = _tile(p, k, n_row=3)  # queries, keys, values each: heads copied
-        elif name.endswith("qkv.bias"):
-            new[name] = _tile_vec(p, k, n=3)
-        elif p.dim() == 2:
-            new[name] = _tile(p, k)  # attention output O, MLP fc and proj
-        else:
-            new[name] = _tile_vec(p, k)  # LayerNorm gains and biases, linear biases
-    # Tied W_E: h_L = [h, ..., h] would give k times the logits; scale the LN producing h_L.
-    last = "ln_f" if config.ln == "pre" else f"blocks.{config.n_layers - 1}.ln_2"
-    new[last + ".weight"] = new[last + ".weight"] / k
-    new[last + ".bias"] = new[last + ".bias"] / k
-    return new
-
-
-def _widen_lstm(state, k):
-    """Widened state: embedding, hidden units, cells (per gate, per direction) replicated k
-    times."""
-    new = {}
-    for name, p in state.items():
-        if name == "embed.weight":
-            new[name] = p.repeat(1, k)
-        elif name == "head.weight":  # reads [forward, backward], each now k copies
-            new[name] = torch.cat([b.repeat(1, k) / k for b in p.chunk(2, 1)], 1)
-        elif name == "head.bias":
-            new[name] = p
-        elif name.startswith("lstm.weight_ih_l0"):  # reads the embedding
-            new[name] = _tile(p, k, n_row=4)
-        elif name.startswith("lstm.weight_ih"):  # reads [forward, backward] of the layer below
-            new[name] = _tile(p, k, n_row=4, n_col=2)
-        elif name.startswith("lstm.weight_hh"):
-            new[name] = _tile(p, k, n_row=4)
-        else:
-            new[name] = _tile_vec(p, k, n=4)  # gate biases, in PyTorch's (i, f, g, o) order
-    return new
-
-
-def _deepen_post_ln(state, n_layers, extra_layers, s=0.5):
-    """Exact zero-filled post-LN blocks on top (grow()'s docstring): rescale the old last block's
-    y by s, make its second LayerNorm and all new ones but the last scalar-gain and bias-free,
-    and move the old (gamma, beta) to the new last LayerNorm. Edits `state` in place."""
-    old, top = f"blocks.{n_layers - 1}.", f"blocks.{n_layers + extra_layers - 1}.ln_2."
-    m = 2 * extra_layers  # LayerNorms applied by the new blocks
-    c = math.sqrt(LN_EPS * (s ** (-2 / m) - 1))  # brings the effective eps back to LN_EPS
-    g = math.sqrt(c * c + LN_EPS)  # keeps the scalar factor at c through every new LayerNorm
-    gamma, beta = state[old + "ln_2.weight"], state[old + "ln_2.bias"]
-    for name in ("ln_1.weight", "ln_1.bias", "mlp.proj.weight", "mlp.proj.bias"):
-        state[old + name] = state[old + name] * s  # y = v + MLP(v) becomes s * y
-    state[old + "mlp.fc.weight"] = state[old + "mlp.fc.weight"] / s
-    state[old + "ln_2.weight"], state[old + "ln_2.bias"] = (
-        torch.full_like(gamma, c), torch.zeros_like(beta))
-    for i in range(n_layers, n_layers + extra_layers):
-        for ln in ("ln_1", "ln_2"):
-            state[f"blocks.{i}.{ln}.weight"] = torch.full_like(gamma, g)
-            state[f"blocks.{i}.{ln}.bias"] = torch.zeros_like(beta)
-    state[top + "weight"], state[top + "bias"] = gamma * (g / c), beta
 
 
 def zero_filled_blocks(model, extra_layers=1):
@@ -504,16 +424,9 @@ def zero_filled_blocks(model, extra_layers=1):
     return big.train(model.training)
 
 
-# ==================================================================================================
-# plumbing: the command line
-# ==================================================================================================
-# -------------------------------------------------------------------------------------- CLI ---
-
 # (arch, ln, width, extra_layers)
 GROW_CHECKS = [("transformer", "pre", 2, 2), ("transformer", "post", 2, 2),
                ("transformer", "post", 3, 0), ("lstm", "pre", 2, 0)]
-
-
 LN_DRAWS = {"LN 1, 0": (0.0, 0.0), "LN 1±0.1, ±0.05": (0.1, 0.05), "LN ~N(0, 1)": None}
 
 
@@ -534,7 +447,7 @@ def check_grow(seed=0):
                 for name, p in small.named_parameters():
                     p.normal_(generator=g)
                     is_ln = "ln" in name.split(".")[-2] if "." in name else False
-                    if is_ln and spread is not None:    # gain 1 + a z, bias b z
+                    if is_ln and spread is not None:  # gain 1 + a z, bias b z
                         p.mul_(spread[0] if name.endswith("weight") else spread[1])
                         p.add_(1.0 if name.endswith("weight") else 0.0)
             logits = small(tokens)

@@ -1,47 +1,29 @@
-"""Downstream transfer of each checkpoint: linear probe and fine-tuning (§2.3, §4, App. A.4),
-and the summary that joins pre-training loss, flatness and accuracy (Figs. 3-5, Table 2).
+"""Downstream transfer of each checkpoint (§4, App. A.4), and the statistics that set it beside
+the pre-training loss and the flatness (Figs. 3-5, Table 2).
 
-Downstream data comes from the checkpoint's own language (`lang.task_data` in data.py: PCFG
-tasks A/B/C, HMM task k, the teacher's topic). One sample of n_train + n_test sentences is drawn
-with `--data-seed`; the first n_test are the test split. The sample is the same for every
-checkpoint and probe seed, so two checkpoints are compared on the SAME test sentences.
+Reading order:
+  downstream_data     a task of the checkpoint's own language (data.py), one held-out split
+  concat_features     the representation: last-layer features of all tokens, concatenated
+  linear_probe        App. A.4's probe: 512-d Gaussian projection, standardised, softmax head
+  finetune            the whole network plus a linear head (App. A.4)
+  partial_r2          the trace's partial r² given KL: what flatness explains beyond the loss
+  paired_difference   two checkpoints on the same test sentences, per training seed and across
+After the banner, the plumbing: one checkpoint's row, the summary table, the command line.
 
-- Linear probe (App. A.4): the frozen model's last-layer features of all tokens concatenated
-  ([n, T, d] -> [n, T*d], zero past the sentence's end), a fixed random Gaussian projection to
-  512 dimensions (the probe's capacity does not grow with the model), standardised, then a
-  linear softmax head trained with AdamW, lr 1e-3, batch 512, 100 epochs. The authors' released
-  probe (`run_lp.py`) had no projection: `--no-projection`.
-- Fine-tuning (App. A.4): the whole network plus a linear head on all tokens' features
-  concatenated (the paper's head reads BERT's CLS token; our languages have none, so it reads
-  the linear probe's representation, unprojected), AdamW lr 3e-3 (the paper's 1e-4 is for 0.1M
-  examples), 200 warm-up steps then linear decay, 10 epochs, batch 128, clipping 1.0.
-- Seeds: mean ± std (ddof=1) over probe seeds, as the paper. A seed changes the projection, the
-  head's initialisation and the batch order, not the data. Each row also keeps, per test
-  sentence, how many seeds got it right (`n_correct`): paired comparisons need it.
-- A lookup-table checkpoint (App. A.4) is probed the same way (features = the true
-  conditionals); it has no weights to fine-tune.
-
-The summary (`--summary RUN_DIR ...`) prints one row per checkpoint (KL ± kl_se, the trace and
-eigenvalues, accuracy per probe setting), then, per group of runs (runs named GROUP-sSEED, one
-per training seed), the R² and slope sign of accuracy on the trace, on KL and on log KL, and
-the trace's partial r² given KL, so flatness is never credited with what the loss explains.
-`--compare A B` gives the accuracy difference of two checkpoints of each training seed on the
-same test sentences with its paired standard error, the mean over seeds with its standard error,
-and, for `B = GROUP@kl`, the matched-KL pairing with its margin and the next-best pairing.
-
-    python probe.py runs/e1-s0/ckpt_*.pt --seeds 3                     # task: the language's first
+    python probe.py runs/e1-s0/ckpt_*.pt --seeds 3          # task: the language's first
     python probe.py runs/e1-s0/ckpt_0006000.pt --method finetune
     python probe.py --summary runs/e1-s{0,1,2} --compare e1@3000 e1@last --plot e1.png
 
-Each probed checkpoint prints (stdout) and appends to runs/NAME/probe.jsonl one JSON row:
-    {"ckpt": ..., "step": 4000, "task": "6", "method": "linear", "acc": 0.81, "acc_std": 0.004,
-     "accs": [...], "n_correct": [...], "n_train": 4000, "n_test": 2000, ...}
-progress goes to stderr.
+Each probed checkpoint prints and appends to runs/NAME/probe.jsonl one JSON row: ckpt, step,
+task, method, acc and acc_std (mean, std ddof=1 over probe seeds), accs, n_correct (per test
+sentence, how many probe seeds got it right) and the settings. `--summary` joins the rows of
+train.py, hessian.py and probe.py in run folders (print_summary says what it prints).
 """
 import argparse
 import copy
 import csv
 import fnmatch
+import importlib.util
 import json
 import math
 import os
@@ -56,113 +38,81 @@ import torch.nn.functional as F
 import data
 import train
 
-# ----------------------------------------------------------------------------- settings (App. A.4)
-PROJ_DIM = 512          # Gaussian projection of the concatenated features (paper; not released)
+PROJ_DIM = 512          # Gaussian projection of the concatenated features (App. A.4)
 LINEAR_LR = 1e-3        # AdamW lr of the linear head
 LINEAR_EPOCHS = 100
 LINEAR_BATCH = 512      # the authors' run_lp.py
-FT_LR = 3e-3            # fine-tuning: whole network + head. The paper's 1e-4 is for ~8k steps
-                        # (0.1M examples); 4000 give 320, where 1e-4 stays near the majority class
+FT_LR = 3e-3            # the paper's 1e-4 is for ~8k steps (0.1M examples), not 320 (4000)
 FT_WARMUP = 200         # warm-up steps (capped at a tenth of all steps for short CPU runs)
 FT_EPOCHS = 10
 FT_BATCH = 128          # the authors' run_ft.py
 FT_CLIP = 1.0
 WEIGHT_DECAY = 0.01     # AdamW weight decay for both (the BERT recipe's value)
-N_SEEDS = 5
+N_SEEDS = 5             # probe seeds: a seed changes the projection, head init and batch order
 N_TRAIN = 4000          # CPU-small default; the paper uses 0.1M examples per task
 N_TEST = 2000
+DATA_SEED = 0           # one downstream sample for every checkpoint and probe seed
 FEATURE_BATCH = 512     # sentences per forward pass when extracting frozen features
-HESSIAN_COLUMNS = ["trace", "trace_std", "top_eigenvalue", "min_eigenvalue", "sam_sharpness"]
-METRIC_COLUMNS = ["eval_loss", "entropy", "kl", "kl_se"]
 
 
-def log(msg):
-    """Progress goes to stderr so stdout stays one JSON row per checkpoint."""
-    print(msg, file=sys.stderr, flush=True)
-
-
-# ==================================================================================================
-# the paper's objects: downstream data, the linear probe, fine-tuning (App. A.4)
-# ==================================================================================================
-# ----------------------------------------------------------------------------- downstream data
-def check_task(lang, task, where=""):
-    """Number of classes of `task` on `lang`; a clear error if the language has no such task."""
-    try:
-        return lang.n_classes(task)
-    except (ValueError, KeyError) as e:
-        raise ValueError(f"{where}no task {task!r} on the checkpoint's {lang.spec()['kind']} "
-                         f"language "
-                         f"(its tasks: {lang.tasks}). data.py says: {e}") from None
-
-
-def downstream_data(lang, task, n_train, n_test, seed=0):
-    """Held-out split of `lang.task_data`: one sample of n_train + n_test, the first n_test
-    the test set."""
+# ================================================================ App. A.4: probing and fine-tuning
+def downstream_data(lang, task, n_train, n_test, seed=DATA_SEED):
+    """`lang.task_data`'s sample of n_train + n_test sentences, split ((tokens, lengths, labels)
+    of the train split, the same of the test split): the first n_test are the test set, so two
+    checkpoints of one language are compared on the SAME test sentences."""
     if n_train < 2 or n_test < 1:
         raise ValueError(f"need n_train >= 2 and n_test >= 1, got {n_train} and {n_test}")
     tokens, lengths, labels = lang.task_data(task, n_train + n_test, seed)
     test = (tokens[:n_test], lengths[:n_test], labels[:n_test])
-    train_split = (tokens[n_test:], lengths[n_test:], labels[n_test:])
-    return train_split, test
+    return (tokens[n_test:], lengths[n_test:], labels[n_test:]), test
 
 
-# ----------------------------------------------------------------------------- linear probe
-@torch.no_grad()
-def concat_features(model, tokens, lengths, batch_size=FEATURE_BATCH, device="cpu", progress=False):
-    """App. A.4: frozen last-layer features of all tokens concatenated, [n, T, d] -> [n, T*d].
-
-    Positions t >= length are set to 0, so the representation is that of the sentence's own tokens
-    (the lookup table's conditionals are 0 there already; a network's outputs at pads are not).
-    """
-    model.eval()
-    out, shown = [], time.time()
+def concat_features(net, tokens, lengths, width=None, device="cpu", batch_size=FEATURE_BATCH):
+    """App. A.4's representation: the last-layer features of all tokens concatenated,
+    [n, T, d] -> [n, width·d] (width >= T, default T), zero at positions t >= length and past
+    T, so it holds the sentence's own tokens only (a network's outputs at [PAD] are not zero).
+    The paper's fine-tuning head reads BERT's CLS token; our languages have none, so the probe
+    and the fine-tuning head both read this. Gradients flow, unless under torch.no_grad()."""
+    out = []
     for i in range(0, len(tokens), batch_size):
-        if progress and time.time() - shown > 5:   # a PCFG lookup table: inside-outside each
-            log(f"[probe]   features {i}/{len(tokens)}")
-            shown = time.time()
-        tok = tokens[i:i + batch_size].to(device)
-        h = model.features(tok).float()                                              # (B, T, d)
-        real = (torch.arange(tok.shape[1], device=device)[None, :]
-                < lengths[i:i + batch_size, None].to(device))
-        out.append((h * real[:, :, None]).flatten(1))                                # (B, T*d)
+        tok, n = tokens[i:i + batch_size].to(device), lengths[i:i + batch_size].to(device)
+        h = net.features(tok).float()                                           # (B, T, d)
+        h = h * (torch.arange(tok.shape[1], device=device)[None, :] < n[:, None])[:, :, None]
+        out.append(F.pad(h, (0, 0, 0, (width or tok.shape[1]) - tok.shape[1])).flatten(1))
     return torch.cat(out)
-
-
-def gaussian_projection(in_dim, out_dim, generator):
-    """A fixed random Gaussian matrix [in_dim, out_dim], entries N(0, 1/out_dim) (App. A.4)."""
-    return torch.randn(in_dim, out_dim, generator=generator) / math.sqrt(out_dim)
 
 
 def linear_probe(x_train, y_train, x_test, y_test, n_classes, seed, proj_dim=PROJ_DIM,
                  epochs=LINEAR_EPOCHS, lr=LINEAR_LR, batch_size=LINEAR_BATCH):
-    """Correctness (bool [n_test]) of a linear softmax head on frozen features (App. A.4).
+    """App. A.4's linear probe on frozen features -> correctness of each test prediction,
+    bool [n_test] (on the CPU).
 
-    x_* are [n, D] features (from concat_features). With proj_dim, both splits go through the same
-    Gaussian projection [D, proj_dim] drawn from `seed`; proj_dim=None uses the features as they are
-    (the authors' released probe). The projected features are standardised with the training split's
-    mean and std: an invertible affine map, so the class of linear classifiers is unchanged, but the
-    fixed lr 1e-3 then means the same for every model (a lookup table's probabilities and an LSTM's
-    states differ in scale by orders of magnitude).
+    x_train [n, D], x_test [m, D] features (concat_features), y_* class ids < n_classes. One
+    torch.Generator seeded `seed` draws, in this order: the projection R [D, proj_dim]
+    (train.gaussian_projection; proj_dim None: none, as the authors' released probe), the head
+    W [n_classes, k] then b [n_classes] uniform in ±1/sqrt(k) (nn.Linear's init, k the width),
+    and a permutation of the training split per epoch. Both splits are standardised with the
+    training split's statistics (train.standardise: the same classifiers, but the fixed lr then
+    means the same for every model). AdamW (lr, WEIGHT_DECAY) minimises the cross-entropy of
+    softmax(x Wᵀ + b) on mini-batches of `batch_size`, `epochs` times; a test sentence is
+    correct where argmax(x Wᵀ + b) is its label.
     """
-    g = torch.Generator().manual_seed(seed)       # draw order: projection, head init, batch orders
+    # BEGIN EXERCISE linear_probe
+    g = torch.Generator().manual_seed(seed)
     device = x_train.device
     if proj_dim is not None:
-        R = gaussian_projection(x_train.shape[1], proj_dim, g).to(device)
-        x_train, x_test = x_train @ R, x_test @ R                                    # (n, proj_dim)
-    mean, std = x_train.mean(0), x_train.std(0)
-    constant = std <= 1e-8 * std.max().clamp_min(1e-30)
-    std = torch.where(constant, torch.ones_like(std), std)
-    x_train, x_test = (x_train - mean) / std, (x_test - mean) / std
-    D = x_train.shape[1]
-    bound = 1 / math.sqrt(D)                  # nn.Linear's default init, from our generator
-    W = ((torch.rand(n_classes, D, generator=g) * 2 - 1) * bound).to(device).requires_grad_()
-    b = ((torch.rand(n_classes, generator=g) * 2 - 1) * bound).to(device).requires_grad_()
+        R = train.gaussian_projection(x_train.shape[1], proj_dim, g).to(device)
+        x_train, x_test = x_train @ R, x_test @ R                                # (n, k)
+    x_train, x_test = train.standardise(x_train, x_test)
+    bound = 1 / math.sqrt(x_train.shape[1])
+    W = ((torch.rand(n_classes, x_train.shape[1], generator=g) * 2 - 1) * bound).to(device)
+    b = ((torch.rand(n_classes, generator=g) * 2 - 1) * bound).to(device)
+    W, b = W.requires_grad_(), b.requires_grad_()
     opt = torch.optim.AdamW([W, b], lr=lr, weight_decay=WEIGHT_DECAY)
     y_train, y_test = y_train.to(device), y_test.to(device)
-    n = len(x_train)
     for _ in range(epochs):
-        perm = torch.randperm(n, generator=g).to(device)
-        for i in range(0, n, batch_size):
+        perm = torch.randperm(len(x_train), generator=g).to(device)
+        for i in range(0, len(x_train), batch_size):
             idx = perm[i:i + batch_size]
             loss = F.cross_entropy(x_train[idx] @ W.T + b, y_train[idx])
             opt.zero_grad(set_to_none=True)
@@ -170,31 +120,16 @@ def linear_probe(x_train, y_train, x_test, y_test, n_classes, seed, proj_dim=PRO
             opt.step()
     with torch.no_grad():
         return (x_test @ W.T + b).argmax(1).eq(y_test).cpu()
-
-
-# ----------------------------------------------------------------------------- fine-tuning
-def sentence_features(net, tokens, lengths, width, device="cpu"):
-    """concat_features with gradients (App. A.4): [B, width*d], zero past each sentence's end."""
-    h = net.features(tokens.to(device))                                              # (B, T, d)
-    real = torch.arange(tokens.shape[1], device=device)[None, :] < lengths[:, None].to(device)
-    h = F.pad(h * real[:, :, None], (0, 0, 0, width - tokens.shape[1]))              # (B, width, d)
-    return h.flatten(1)
+    # END EXERCISE linear_probe
 
 
 def finetune(model, train_split, test_split, n_classes, seed, epochs=FT_EPOCHS, lr=FT_LR,
              warmup=FT_WARMUP, batch_size=FT_BATCH, device="cpu"):
-    """Test accuracy after fine-tuning the whole network plus a linear head (App. A.4).
-
-    The paper's head reads BERT's CLS token; our languages have none, so the head reads the linear
-    probe's representation, all tokens' features concatenated (App. A.4), with gradients.
-    Schedule: linear warm-up for min(200, total_steps // 10) steps, then linear decay to 0 (BERT's).
-    The checkpoint's model is not modified (a copy is trained).
-    """
-    if not any(True for _ in model.parameters()):
-        raise ValueError("this checkpoint has no weights to fine-tune (a lookup table); "
-                         "use --method linear")
+    """Correctness (bool [n_test]) after fine-tuning a copy of the whole network plus a linear
+    head on concat_features (App. A.4): AdamW, linear warm-up for min(warmup, steps // 10)
+    steps then linear decay to 0 (BERT's), gradients clipped to FT_CLIP. `model` is unchanged."""
     (tok, lengths, y), (tok_test, lengths_test, y_test) = train_split, test_split
-    width = max(tok.shape[1], tok_test.shape[1])  # one head for both splits: T*d inputs
+    width = max(tok.shape[1], tok_test.shape[1])  # one head for both splits: width·d inputs
     g = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):  # dropout draws from the global RNG: seed, then restore
         torch.manual_seed(seed)
@@ -203,108 +138,27 @@ def finetune(model, train_split, test_split, n_classes, seed, epochs=FT_EPOCHS, 
         head = torch.nn.Linear(width * d, n_classes).to(device)
         params = list(net.parameters()) + list(head.parameters())
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
-        n = len(tok)
-        total = epochs * math.ceil(n / batch_size)
-        warm = max(1, min(warmup, total // 10))
-        schedule = argparse.Namespace(lr=1.0, warmup_steps=warm, steps=total,
-                                      schedule="linear", decay_steps=0)
+        total = epochs * math.ceil(len(tok) / batch_size)
+        schedule = argparse.Namespace(lr=1.0, warmup_steps=max(1, min(warmup, total // 10)),
+                                      steps=total, schedule="linear", decay_steps=0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: train.lr_at(s, schedule))
         for _ in range(epochs):
-            perm = torch.randperm(n, generator=g)
-            for i in range(0, n, batch_size):
+            perm = torch.randperm(len(tok), generator=g)
+            for i in range(0, len(tok), batch_size):
                 idx = perm[i:i + batch_size]
-                logits = head(sentence_features(net, tok[idx], lengths[idx], width, device))
-                loss = F.cross_entropy(logits, y[idx].to(device))
+                x = concat_features(net, tok[idx], lengths[idx], width, device)
+                loss = F.cross_entropy(head(x), y[idx].to(device))
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, FT_CLIP)
                 opt.step()
                 sched.step()
-        net.eval()
         with torch.no_grad():
-            correct = []
-            for i in range(0, len(tok_test), FEATURE_BATCH):
-                x = sentence_features(net, tok_test[i:i + FEATURE_BATCH],
-                                      lengths_test[i:i + FEATURE_BATCH], width, device)
-                correct.append(head(x).argmax(1).eq(y_test[i:i + FEATURE_BATCH].to(device)).cpu())
-    return torch.cat(correct)
+            x_test = concat_features(net.eval(), tok_test, lengths_test, width, device)
+            return head(x_test).argmax(1).eq(y_test.to(device)).cpu()
 
 
-# ==================================================================================================
-# plumbing: one checkpoint's row
-# ==================================================================================================
-# ----------------------------------------------------------------------------- one checkpoint
-def mean_std(values):
-    """Mean and sample std (ddof=1; None for a single seed) as the paper reports over seeds."""
-    a = np.asarray(values, dtype=np.float64)
-    return float(a.mean()), (float(a.std(ddof=1)) if len(a) > 1 else None)
-
-
-def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST,
-                     n_seeds=N_SEEDS, data_seed=0, projection=True, epochs=None, device="cpu",
-                     cache=None):
-    """Probe one checkpoint on `task` with every seed; returns the probe.jsonl row (App. A.4)."""
-    if method not in ("linear", "finetune"):
-        raise ValueError(f"method must be 'linear' or 'finetune', got {method!r}")
-    t0 = time.time()
-    model, ckpt, lang = train.load_checkpoint(path, device=device)
-    name = os.path.basename(path)
-    task = lang.tasks[0] if task is None else task
-    n_classes = check_task(lang, task, where=f"{path}: ")
-    if method == "finetune" and ckpt.get("kind") == "lookup":
-        raise ValueError(f"{path} is a lookup table: it has no weights to fine-tune; probe it "
-                         f"with --method linear")
-    cache = {} if cache is None else cache     # downstream data, shared by one language's ckpts
-    key = (json.dumps(lang.spec(), sort_keys=True), task, n_train, n_test, data_seed)
-    if key not in cache:
-        t = time.time()
-        log(f"[probe] task {task}: sampling and labelling {n_train + n_test} sentences")
-        cache[key] = downstream_data(lang, task, n_train, n_test, seed=data_seed)
-        log(f"[probe] task {task}: {n_train} train + {n_test} test sentences, {n_classes} "
-            f"classes ({time.time() - t:.1f}s)")
-    train_split, test_split = cache[key]
-    seeds = list(range(n_seeds))
-    accs, n_correct = [], torch.zeros(n_test, dtype=torch.long)   # seeds right, per test sentence
-    if method == "linear":
-        t = time.time()
-        # a lookup table computes exact conditionals (slow for PCFG/teacher): small batches
-        bs = 64 if ckpt.get("kind") == "lookup" else FEATURE_BATCH
-        x_train = concat_features(model, train_split[0], train_split[1], bs, device, progress=True)
-        x_test = concat_features(model, test_split[0], test_split[1], bs, device, progress=True)
-        log(f"[probe] {name}: features {tuple(x_train.shape)} + {tuple(x_test.shape)} in "
-            f"{time.time() - t:.1f}s")
-    for s in seeds:
-        t = time.time()
-        if method == "linear":
-            correct = linear_probe(x_train, train_split[2], x_test, test_split[2], n_classes,
-                                   seed=s, proj_dim=PROJ_DIM if projection else None,
-                                   epochs=LINEAR_EPOCHS if epochs is None else epochs)
-        else:
-            correct = finetune(model, train_split, test_split, n_classes, seed=s,
-                               epochs=FT_EPOCHS if epochs is None else epochs, device=device)
-        n_correct += correct.long()
-        accs.append(correct.float().mean().item())
-        log(f"[probe] {name}: {method} seed {s + 1}/{n_seeds} acc {accs[-1]:.4f} "
-            f"({time.time() - t:.1f}s)")
-    acc, acc_std = mean_std(accs)
-    return {"ckpt": path, "step": int(ckpt["step"]), "task": str(task), "method": method,
-            "acc": acc, "acc_std": acc_std, "accs": accs, "n_train": n_train, "n_test": n_test,
-            "seeds": seeds, "data_seed": data_seed, "kind": ckpt.get("kind", "mlm"),
-            "language": lang.spec()["kind"], "n_classes": n_classes,
-            "projection": (PROJ_DIM if projection else None) if method == "linear" else None,
-            "epochs": epochs or (LINEAR_EPOCHS if method == "linear" else FT_EPOCHS),
-            "lr": LINEAR_LR if method == "linear" else FT_LR, "n_correct": n_correct.tolist(),
-            "wall_s": round(time.time() - t0, 2)}
-
-
-# ==================================================================================================
-# the summary: statistics that keep flatness from being credited with what the loss explains
-# ==================================================================================================
-# ----------------------------------------------------------------------------- summary: statistics
-# The evidence of §4 is a correlation between flatness and accuracy among models of (nearly) the
-# same pre-training loss. These statistics keep the loss in view (R² on KL beside R² on the trace,
-# and the trace's partial r² given KL), keep groups of runs apart, and compare two checkpoints on
-# the same test sentences with the standard error of the paired difference.
+# ========== §4: flatness against accuracy among models of (nearly) the same pre-training loss
 
 def regression(x, y):
     """(R², slope) of the least-squares line y ~ a + b x; (nan, nan) if x or y is constant."""
@@ -316,324 +170,397 @@ def regression(x, y):
     return float(sxy * sxy / (sxx * syy)), float(sxy / sxx)
 
 
-def r_squared(x, y):
-    """R² of the least-squares line y ~ a + b x (the squared Pearson correlation)."""
-    return regression(x, y)[0]
-
-
 def partial_r2(y, x, z):
-    """(partial r², sign) of y on x given z: the squared correlation of the residuals of y and
-    of x after each is regressed on z (with intercept), i.e. the share of the variance of y
-    left unexplained by z that x explains; the sign is that of x's coefficient."""
+    """(partial r², sign) of y on x given z, for 1-D sequences of equal length (§4: y the
+    accuracy, x the trace, z the KL of some checkpoints): the squared correlation of the
+    residuals of y and of x after each is regressed on z by least squares with an intercept,
+    i.e. the share of the variance of y left unexplained by z that x explains; the sign (+1.0 /
+    -1.0) is that of x's coefficient in y ~ 1 + z + x. (nan, nan) if a residual is constant."""
+    # BEGIN EXERCISE partial_r2
     y, x, z = (np.asarray(v, dtype=np.float64) for v in (y, x, z))
     Z = np.stack([np.ones_like(z), z], 1)
     ry = y - Z @ np.linalg.lstsq(Z, y, rcond=None)[0]
     rx = x - Z @ np.linalg.lstsq(Z, x, rcond=None)[0]
     r2, slope = regression(rx, ry)
     return r2, float(np.sign(slope)) if math.isfinite(slope) else float("nan")
+    # END EXERCISE partial_r2
 
 
-def paired_difference(n_correct_a, n_correct_b, n_seeds):
-    """(acc_b - acc_a, its standard error) of two checkpoints probed on the SAME test sentences:
-    with c_i the fraction of probe seeds correct on sentence i, d_i = c_b,i - c_a,i and
-    se = std(d, ddof=1) / sqrt(n), the exact standard error of a mean of n paired differences
-    (test-set noise; probe-seed noise is averaged into c)."""
-    a = np.asarray(n_correct_a, dtype=np.float64) / n_seeds
-    b = np.asarray(n_correct_b, dtype=np.float64) / n_seeds
-    if a.shape != b.shape:
-        raise ValueError(f"paired comparison needs the same test sentences; got {a.size} and "
-                         f"{b.size}")
-    d = b - a
-    return float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size))
+def paired_difference(n_correct_a, n_correct_b, n_probe_seeds):
+    """Checkpoint B's accuracy minus A's on the SAME test sentences (§4's comparisons), per
+    training seed and across training seeds -> (diffs [k], ses [k], mean, se_mean), floats.
+
+    n_correct_a, n_correct_b [k][n]: for each of k training seeds (runs) and each of the n
+    shared test sentences, how many of the n_probe_seeds probe seeds got it right (probe.jsonl's
+    n_correct). With c = n_correct / n_probe_seeds and d_i = c_B,i - c_A,i in one run:
+        diff = mean_i d_i,   se = std_i(d_i, ddof=1) / sqrt(n)
+    (the exact standard error of a mean of n paired differences: test-set noise; probe-seed
+    noise is averaged into c). Across the k runs: mean = mean of the diffs, se_mean = their
+    std (ddof=1) / sqrt(k), None for k = 1.
+    """
+    if np.shape(n_correct_a) != np.shape(n_correct_b) or np.ndim(n_correct_a) != 2:
+        raise ValueError(f"paired comparison needs the same test sentences in every run; got "
+                         f"{np.shape(n_correct_a)} and {np.shape(n_correct_b)}")
+    # BEGIN EXERCISE paired_difference
+    a = np.asarray(n_correct_a, dtype=np.float64) / n_probe_seeds
+    b = np.asarray(n_correct_b, dtype=np.float64) / n_probe_seeds
+    d = b - a                                                     # (k, n)
+    diffs, ses = d.mean(1), d.std(1, ddof=1) / math.sqrt(d.shape[1])
+    se_mean = float(diffs.std(ddof=1) / math.sqrt(len(diffs))) if len(diffs) > 1 else None
+    return diffs.tolist(), ses.tolist(), float(diffs.mean()), se_mean
+    # END EXERCISE paired_difference
 
 
-def mean_se(values):
-    """(mean, standard error std(ddof=1)/sqrt(k)) over k training seeds; se None for k = 1."""
-    v = np.asarray(values, dtype=np.float64)
-    return float(v.mean()), (float(v.std(ddof=1) / math.sqrt(v.size)) if v.size > 1 else None)
+def same_loss_statistic(pairs):
+    """"Same loss, better downstream, flatter" in one statistic (§4) over matched pairs
+    [(seed, acc_diff, log_trace_ratio)], each B minus A at the same KL: acc_diff = acc_B - acc_A,
+    log_trace_ratio = log(Tr_B / Tr_A). A seed's pairs are averaged first, then over seeds:
+    -> ((mean acc_diff, se), (mean log_trace_ratio, se), (k, n)), se = std(ddof=1)/sqrt(seeds)
+    (None for one seed), and in k of the n pairs the flatter side is the more accurate."""
+    seeds = sorted({s for s, _, _ in pairs})
+    per_seed = np.array([np.mean([(d, r) for s2, d, r in pairs if s2 == s], 0) for s in seeds])
+    spread = (lambda v: float(v.std(ddof=1) / math.sqrt(len(v)))) if len(seeds) > 1 else None
+    return ((float(per_seed[:, 0].mean()), spread and spread(per_seed[:, 0])),
+            (float(per_seed[:, 1].mean()), spread and spread(per_seed[:, 1])),
+            (sum((d > 0) == (r < 0) and d != 0 for _, d, r in pairs), len(pairs)))
 
 
 def match_kl(kl, kl_se, candidates):
     """Matched-KL pairing: the candidate rows (dicts with kl, kl_se) sorted by |KL - kl|, and
-    for the nearest the margin in units of the combined standard error sqrt(se² + se_c²);
-    a pair counts as matched ("same loss") when that margin is below 2."""
+    the nearest one's margin in combined standard errors sqrt(se² + se_c²): "same loss" if < 2."""
     ranked = sorted(candidates, key=lambda r: abs(r["kl"] - kl))
     margin = abs(ranked[0]["kl"] - kl) / math.sqrt(kl_se ** 2 + ranked[0]["kl_se"] ** 2)
     return ranked, margin
 
 
-def run_group(name):
-    """(group, seed) of a run named GROUP-sSEED (train.py's default names end so); a name
-    without that suffix is a group of its own, seed None."""
-    m = re.fullmatch(r"(.*)-s(\d+)", name)
-    return (m.group(1), int(m.group(2))) if m else (name, None)
-
-
-# ----------------------------------------------------------------------------- summary table
+# ==================================================================================== plumbing
+METRIC_COLUMNS = ["eval_loss", "entropy", "kl", "kl_se"]
+HESSIAN_COLUMNS = ["trace", "trace_std", "top_eigenvalue", "min_eigenvalue", "sam_sharpness"]
 PROBE_SETTINGS = ("n_train", "n_test", "data_seed", "projection", "epochs", "seeds", "language")
 HESSIAN_SETTINGS = ("n_sentences", "n_samples", "n_repeats", "seed", "sentence_seed")
 
 
-def read_jsonl(path):
-    """Rows of a JSON-lines file ([] when the file does not exist)."""
+def checked_task(path, ckpt, lang, task, method):
+    """(task or the language's first, its number of classes); a one-line ValueError naming the
+    checkpoint if its language has no such task, or if a lookup table is to be fine-tuned."""
+    task = lang.tasks[0] if task is None else task
+    try:
+        n_classes = lang.n_classes(task)
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"{path}: no task {task!r} on its {lang.spec()['kind']} language (its "
+                         f"tasks: {lang.tasks}; data.py says: {e})") from None
+    if method == "finetune" and ckpt["kind"] == "lookup":
+        raise ValueError(f"{path} is a lookup table: no weights to fine-tune; use --method linear")
+    return task, n_classes
+
+
+def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST,
+                     n_seeds=N_SEEDS, proj_dim=PROJ_DIM, epochs=None, device="cpu", cache=None):
+    """Probe one checkpoint on `task` with probe seeds 0..n_seeds-1: its probe.jsonl row."""
+    t0 = time.time()
+    model, ckpt, lang = train.load_checkpoint(path, device=device)
+    task, n_classes = checked_task(path, ckpt, lang, task, method)
+    epochs = epochs or (LINEAR_EPOCHS if method == "linear" else FT_EPOCHS)
+    cache = {} if cache is None else cache     # downstream data for the language's next ckpt
+    key = (json.dumps(lang.spec(), sort_keys=True), task, n_train, n_test)
+    if key not in cache:
+        cache[key] = downstream_data(lang, task, n_train, n_test)
+    (tok, lengths, labels), (tok_test, lengths_test, labels_test) = cache[key]
+    if method == "linear":   # a lookup table computes exact conditionals: small batches
+        bs = 64 if ckpt["kind"] == "lookup" else FEATURE_BATCH
+        with torch.no_grad():
+            x = concat_features(model, tok, lengths, device=device, batch_size=bs)
+            x_test = concat_features(model, tok_test, lengths_test, device=device, batch_size=bs)
+    accs, n_correct = [], torch.zeros(n_test, dtype=torch.long)   # seeds right, per test sentence
+    for s in range(n_seeds):
+        if method == "linear":
+            correct = linear_probe(x, labels, x_test, labels_test, n_classes, seed=s,
+                                   proj_dim=proj_dim, epochs=epochs)
+        else:
+            correct = finetune(model, *cache[key], n_classes, seed=s, epochs=epochs, device=device)
+        n_correct += correct.long()
+        accs.append(correct.float().mean().item())
+        print(f"[probe] {path}: {method} seed {s + 1}/{n_seeds} acc {accs[-1]:.4f} "
+              f"({time.time() - t0:.1f}s)", file=sys.stderr, flush=True)
+    return {"ckpt": path, "step": int(ckpt["step"]), "task": str(task), "method": method,
+            "acc": float(np.mean(accs)),
+            "acc_std": float(np.std(accs, ddof=1)) if n_seeds > 1 else None,
+            "accs": accs, "n_train": n_train, "n_test": n_test, "seeds": list(range(n_seeds)),
+            "data_seed": DATA_SEED, "kind": ckpt["kind"], "language": lang.spec()["kind"],
+            "n_classes": n_classes, "projection": proj_dim if method == "linear" else None,
+            "epochs": epochs, "lr": LINEAR_LR if method == "linear" else FT_LR,
+            "n_correct": n_correct.tolist(), "wall_s": round(time.time() - t0, 2)}
+
+
+# ----------------------------------------------------------------------------- the summary
+def read_jsonl(path, needs=("step",)):
+    """Rows of a JSON-lines file ([] if there is none); a one-line ValueError naming the file
+    and line where a line is not a JSON object with the keys `needs`."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for i, line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}, line {i}: not JSON ({e.msg})") from None
+        if not isinstance(rows[-1], dict) or not all(k in rows[-1] for k in needs):
+            raise ValueError(f"{path}, line {i}: not a row with {', '.join(needs)}")
+    return rows
 
 
 def summary_table(run_dirs, min_step=0):
-    """Join metrics.jsonl (eval row at each step), hessian.jsonl and probe.jsonl by (run, step).
-
-    Rows: every checkpoint step >= min_step that has a hessian or probe row. Columns: run, group,
-    seed, step, the eval metrics, the hessian measures, and `{method}_{task}_acc` / `_acc_std`
-    per probe setting (`linear_{task}_noproj_acc` for --no-projection); each row also carries
-    the per-sentence counts `{column}_n_correct` for paired comparisons. The latest row wins where
-    a step was measured twice. Missing values are None. Runs of different languages, or rows of
-    one column measured with different settings, are refused (ValueError naming the run).
-    """
-    rows, probe_cols, seen = [], [], {}
+    """(columns, rows): each run's metrics.jsonl (eval rows), hessian.jsonl and probe.jsonl
+    joined by step, a row per step >= min_step with a hessian or probe row: run, group, seed
+    (runs are named GROUP-sSEED), step, METRIC_COLUMNS, HESSIAN_COLUMNS, and per probe setting
+    S (`{method}_{task}`, `_noproj` for --no-projection) `S_acc`, `S_acc_std`, with
+    row["n_correct"][S] and row["n_probe_seeds"][S] for paired comparisons; the last row wins,
+    missing values are None. Mixed languages or settings are refused (naming the run)."""
+    rows, settings, seen = [], [], {}
     for run in run_dirs:
         if not os.path.isdir(run):
-            raise ValueError(f"{run} is not a run directory (expected runs/NAME with "
-                             f"metrics.jsonl)")
+            raise ValueError(f"{run} is not a run directory (runs/NAME with metrics.jsonl)")
         name = os.path.basename(os.path.normpath(run))
         config = os.path.join(run, "config.json")
-        if os.path.isfile(config):
+        try:
             with open(config) as f:
-                spec = json.dumps(json.load(f).get("language"), sort_keys=True)
-            first = seen.setdefault("language", (name, spec))
-            if first[1] != spec:
-                raise ValueError(f"{name} and {first[0]} are trained on different languages: "
-                                 f"their accuracies and KLs are not comparable")
+                language = json.load(f)["language"]
+            _check_same(seen, "config.json", name, {"language": language})
+        except FileNotFoundError:
+            pass
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{config} is not train.py's config.json") from None
         evals = {r["step"]: r for r in read_jsonl(os.path.join(run, "metrics.jsonl"))
                  if "eval_loss" in r}
         hess = {r["step"]: r for r in read_jsonl(os.path.join(run, "hessian.jsonl"))}
         for r in hess.values():
-            _check_same(seen, "hessian.py", name, r, HESSIAN_SETTINGS)
+            _check_same(seen, "hessian.py settings", name, {k: r.get(k) for k in HESSIAN_SETTINGS})
         probes = {}
-        for r in read_jsonl(os.path.join(run, "probe.jsonl")):
-            col = f"{r['method']}_{r['task']}"
+        for r in read_jsonl(os.path.join(run, "probe.jsonl"), ("step", "method", "task")):
+            setting = f"{r['method']}_{r['task']}"
             if r["method"] == "linear" and "projection" in r and r["projection"] is None:
-                col += "_noproj"                  # a different probe: its own column
-            _check_same(seen, f"probe.py {col}", name, r, PROBE_SETTINGS)
-            if col not in probe_cols:
-                probe_cols.append(col)
-            probes.setdefault(r["step"], {})[col] = r
+                setting += "_noproj"                  # a different probe: its own column
+            _check_same(seen, f"probe.py {setting} settings", name,
+                        {k: r.get(k) for k in PROBE_SETTINGS})
+            settings += [] if setting in settings else [setting]
+            probes.setdefault(r["step"], {})[setting] = r
         steps = sorted(s for s in set(hess) | set(probes) if s >= min_step)
         if not steps:
-            raise ValueError(f"{run} has no hessian.jsonl or probe.jsonl rows"
-                             f"{f' at steps >= {min_step}' if min_step else ''}: run hessian.py "
-                             f"and probe.py on its checkpoints first")
-        group, seed = run_group(name)
+            raise ValueError(f"{run} has no hessian.jsonl or probe.jsonl rows at steps >= "
+                             f"{min_step}: run hessian.py and probe.py on its checkpoints")
+        group_seed = re.fullmatch(r"(.*)-s(\d+)", name)
+        group, seed = (group_seed[1], int(group_seed[2])) if group_seed else (name, None)
         for step in steps:
             row = {"run": name, "group": group, "seed": seed, "step": step}
             row.update({c: evals.get(step, {}).get(c) for c in METRIC_COLUMNS})
             row.update({c: hess.get(step, {}).get(c) for c in HESSIAN_COLUMNS})
             rows.append((row, probes.get(step, {})))
-    columns = ["run", "step"] + METRIC_COLUMNS + HESSIAN_COLUMNS
-    columns += [f"{c}_{k}" for c in probe_cols for k in ("acc", "acc_std")]
-    table = []
-    for row, p in rows:
-        for c in probe_cols:
-            row[f"{c}_acc"] = p.get(c, {}).get("acc")
-            row[f"{c}_acc_std"] = p.get(c, {}).get("acc_std")
-            row[f"{c}_n_correct"] = p.get(c, {}).get("n_correct")
-            row[f"{c}_n_seeds"] = len(p.get(c, {}).get("seeds", [])) or None
-        table.append(row)
-    return columns, table
+    for row, measured in rows:
+        row["n_correct"], row["n_probe_seeds"] = {}, {}
+        for s in settings:
+            r = measured.get(s, {})
+            row[f"{s}_acc"], row[f"{s}_acc_std"] = r.get("acc"), r.get("acc_std")
+            row["n_correct"][s], row["n_probe_seeds"][s] = r.get("n_correct"), len(r.get(
+                "seeds", []))
+    columns = (["run", "step"] + METRIC_COLUMNS + HESSIAN_COLUMNS
+               + [f"{s}_{k}" for s in settings for k in ("acc", "acc_std")])
+    return columns, [row for row, _ in rows]
 
 
-def _check_same(seen, what, run, row, keys):
-    """Refuse rows of one measurement made with different settings (a silently mixed table)."""
-    settings = {k: row.get(k) for k in keys}
+def _check_same(seen, what, run, settings):
+    """Refuse a run whose `what` (a dict) differ from the first run's: a silently mixed table."""
     first_run, first = seen.setdefault(what, (run, settings))
-    diff = [f"{k} {settings[k]!r} vs {first[k]!r}" for k in keys if settings[k] != first[k]]
+    diff = [f"{k} differs" if len(repr(v)) > 40 else f"{k} {v!r} vs {first[k]!r}"
+            for k, v in settings.items() if v != first[k]]
     if diff:
-        raise ValueError(f"{run}: its {what} rows were measured with other settings than "
-                         f"{first_run}'s ({', '.join(diff)}); measure both alike")
+        raise ValueError(f"{run} and {first_run} differ in {what} ({', '.join(diff)}): their rows "
+                         f"are not comparable")
 
 
 def _finite(v):
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
-def correlations(table, acc_col):
-    """Per group (and pooled when there are several, marked as such): [(label, n, stats)]
-    with stats R² and slope sign of accuracy on the trace, on KL and on log KL, and the trace's
-    partial r² given KL (None where fewer than 3, or for partial r² 4, rows have all three)."""
-    used = [r for r in table if all(_finite(r.get(c)) for c in ("trace", "kl", acc_col))]
-    groups = {}
-    for r in used:
-        groups.setdefault(r["group"], []).append(r)
-    sets = list(groups.items()) + ([("pooled over groups", used)] if len(groups) > 1 else [])
-    out = []
-    for label, rows in sets:
-        acc, trace, kl = ([r[c] for r in rows] for c in (acc_col, "trace", "kl"))
-        stats = {}
-        if len(rows) >= 3:
-            stats["trace"], stats["kl"] = regression(trace, acc), regression(kl, acc)
-            if min(kl) > 0:
-                stats["log_kl"] = regression(np.log(kl), acc)
-        if len(rows) >= 4:
-            stats["partial"] = partial_r2(acc, trace, kl)
-        out.append((label, len(rows), stats))
-    return out
-
-
-def compare(table, acc_col, spec_a, spec_b):
-    """Paired comparison of checkpoints A and B of the same training seed (README, E1):
-    spec GROUP@STEP, STEP an integer or `last`, GROUP a group name or a glob over them; B's STEP
-    may be `kl`: the checkpoint of B with the KL nearest to A's (the matched-KL rule of
-    match_kl). Returns printable lines."""
-    def parse(spec):
+def compare(table, setting, spec_a, spec_b):
+    """(printable lines, pairs) of the paired comparison (paired_difference) of checkpoints A and
+    B of each training seed on probe setting `setting`: spec GROUP@STEP, STEP an integer or
+    `last`, GROUP a group name or a glob; each group A's glob matches (a decay branch, say) is
+    compared on its own. B's STEP may be `kl`: B's checkpoint with the KL nearest to A's
+    (match_kl), with the margin and the next-best match; the matched pairs of all groups are
+    then summed up by same_loss_statistic. pairs: [(seed, A's row, B's row, margin or None)]."""
+    parsed, acc = [], f"{setting}_acc"
+    for spec, may_match in ((spec_a, False), (spec_b, True)):
         group, _, step = spec.rpartition("@")
-        if not group or not (step.isdigit() or step in ("last", "kl")):
+        if not group or not (step.isdigit() or step == "last" or may_match and step == "kl"):
             raise ValueError(f"--compare {spec!r}: expected GROUP@STEP with STEP a number, "
                              f"'last' or (second only) 'kl'")
-        return group, step
-    (ga, sa), (gb, sb) = parse(spec_a), parse(spec_b)
-    if sa == "kl":
-        raise ValueError(f"--compare {spec_a!r}: only the second checkpoint can be matched by KL")
-    by_seed = {}                      # (side, seed) -> rows; a GROUP may be a glob: e1d-*
-    for r in table:
-        for side, pattern in (("A", ga), ("B", gb)):
-            if fnmatch.fnmatchcase(r["group"], pattern) and _finite(r.get(acc_col)):
-                by_seed.setdefault((side, r["seed"]), []).append(r)
-    seeds = sorted({s for g, s in by_seed if g == "A"} & {s for g, s in by_seed if g == "B"},
-                   key=lambda s: -1 if s is None else s)
-    if not seeds:
+        parsed.append((group, step))
+    (ga, sa), (gb, sb) = parsed
+
+    def rows_of(group, seed):
+        return [r for r in table if fnmatch.fnmatchcase(r["group"], group) and r["seed"] == seed
+                and _finite(r.get(acc))]
+
+    def at(rows, step, spec):
+        found = [r for r in rows if step == "last" or r["step"] == int(step)]
+        if not found:
+            raise ValueError(f"--compare {spec}: no probed checkpoint at step {step} in "
+                             f"{rows[0]['run']} (steps: {sorted(r['step'] for r in rows)})")
+        return max(found, key=lambda r: r["step"])
+
+    def counts(r):
+        if not r["n_correct"][setting]:
+            raise ValueError(f"--compare: {r['run']} step {r['step']} has no per-sentence counts "
+                             f"(n_correct) for {setting}: probe it again with probe.py")
+        return r["n_correct"][setting]
+
+    def describe(r):
+        return (f"{r['run']}@{r['step']} (KL {r['kl']:.4f} ± {r['kl_se']:.4f}, Tr "
+                f"{_fmt(r.get('trace'))}, acc {r[acc]:.4f})")
+    lines, pairs = [], []
+    for group in sorted({r["group"] for r in table if fnmatch.fnmatchcase(r["group"], ga)}):
+        seeds = sorted({r["seed"] for r in table if rows_of(group, r["seed"])
+                        and rows_of(gb, r["seed"])}, key=lambda s: -1 if s is None else s)
+        if not seeds:
+            continue
+        matches = []                      # (A's row, B's rows best first, KL margin or None)
+        for seed in seeds:
+            a, rows_b = at(rows_of(group, seed), sa, spec_a), rows_of(gb, seed)
+            matches.append((a, *(([at(rows_b, sb, spec_b)], None) if sb != "kl" else match_kl(
+                a["kl"], a["kl_se"], [r for r in rows_b if _finite(r.get("kl_se"))]))))
+        n_seeds = matches[0][0]["n_probe_seeds"][setting]
+        diffs, ses, mean, se_mean = paired_difference(
+            [counts(a) for a, _, _ in matches], [counts(b[0]) for _, b, _ in matches], n_seeds)
+        lines.append(f"paired comparison of {acc}: B = {spec_b} minus A = {group}@{sa}, on the "
+                     f"same test sentences")
+        for seed, (a, ranked, margin), d, se in zip(seeds, matches, diffs, ses):
+            b = ranked[0]
+            pairs.append((seed, a, b, margin, d))
+            text = (f"  seed {seed}: A {describe(a)}  B {describe(b)}  diff {d:+.4f} ± {se:.4f} "
+                    f"(test set)")
+            if margin is not None:    # which way a remaining loss difference pushes the accuracy
+                text += (f"; |dKL| = {margin:.1f} se (matched)" if margin < 2 else
+                         f"; |dKL| = {margin:.1f} se (NOT matched: the lower loss is "
+                         f"{'A' if a['kl'] < b['kl'] else 'B'}'s)")
+            if len(ranked) > 1:
+                d2 = paired_difference([counts(a)], [counts(ranked[1])], n_seeds)[2]
+                text += f"; next-best B@{ranked[1]['step']}: diff {d2:+.4f}"
+            lines.append(text)
+        verdict = ("" if se_mean is None else f" ± {se_mean:.4f} (se over seeds) -> "
+                   f"{'exceeds' if abs(mean) > 2 * se_mean else 'within'} 2 se across seeds")
+        lines.append(f"  mean over {len(diffs)} seeds: {mean:+.4f}{verdict}; "
+                     f"{sum(d > 0 for d in diffs)}/{len(diffs)} seeds positive")
+        if all(len(ranked) > 1 for _, ranked, _ in matches):
+            next_best = paired_difference([counts(a) for a, _, _ in matches],
+                                          [counts(b[1]) for _, b, _ in matches], n_seeds)[2]
+            lines.append(f"  with the next-best KL match instead: {next_best:+.4f}")
+    if not lines:
         raise ValueError(f"--compare: no training seed has probed checkpoints in both {ga!r} and "
                          f"{gb!r} (groups: {sorted({r['group'] for r in table})})")
-    lines, diffs, next_diffs = [f"paired comparison of {acc_col}: B = {spec_b} minus "
-                                f"A = {spec_a}, on the same test sentences"], [], []
-    for seed in seeds:
-        rows_a, rows_b = by_seed[("A", seed)], by_seed[("B", seed)]
-        a = pick(rows_a, sa, spec_a)
-        ranked, margin = ([pick(rows_b, sb, spec_b)], None) if sb != "kl" else match_kl(
-            a["kl"], a["kl_se"], [r for r in rows_b if _finite(r.get("kl_se"))])
-        b = ranked[0]
-        d, se = _paired(a, b, acc_col)
-        diffs.append(d)
-        text = (f"  seed {seed}: A {a['run']}@{a['step']} (KL {a['kl']:.4f} ± {a['kl_se']:.4f}, "
-                f"Tr {_fmt(a.get('trace'))}, acc {a[acc_col]:.4f})  B {b['run']}@{b['step']} "
-                f"(KL {b['kl']:.4f} ± {b['kl_se']:.4f}, Tr {_fmt(b.get('trace'))}, acc "
-                f"{b[acc_col]:.4f})  diff {d:+.4f} ± {se:.4f} (test set)")
-        if margin is not None:
-            text += f"; |dKL| = {margin:.1f} se ({'matched' if margin < 2 else 'NOT matched'}"
-            if margin >= 2:     # which way the remaining loss difference pushes the accuracy
-                text += f": the lower loss is {'A' if a['kl'] < b['kl'] else 'B'}'s"
-            text += ")"
-            if len(ranked) > 1:
-                d2, _ = _paired(a, ranked[1], acc_col)
-                next_diffs.append(d2)
-                text += f"; next-best B@{ranked[1]['step']}: diff {d2:+.4f}"
-        lines.append(text)
-    m, se = mean_se(diffs)
-    verdict = ("" if se is None else
-               f" -> {'exceeds' if abs(m) > 2 * se else 'within'} 2 se across seeds")
-    lines.append(f"  mean over {len(diffs)} seeds: {m:+.4f}" +
-                 ("" if se is None else f" ± {se:.4f} (se over seeds)") + verdict +
-                 f"; {sum(d > 0 for d in diffs)}/{len(diffs)} seeds positive")
-    if next_diffs and len(next_diffs) == len(diffs):
-        lines.append(f"  with the next-best KL match instead: {mean_se(next_diffs)[0]:+.4f}")
-    return lines
+    if sb == "kl":
+        lines += same_loss_lines(pairs, spec_a, spec_b)
+    return lines, [p[:4] for p in pairs]
 
 
-def pick(rows, step, spec):
-    """The row of `rows` at STEP (a number or `last`)."""
-    if step == "last":
-        return max(rows, key=lambda r: r["step"])
-    match = [r for r in rows if r["step"] == int(step)]
-    if not match:
-        raise ValueError(f"--compare {spec}: no probed checkpoint at step {step} in "
-                         f"{rows[0]['run']} (steps: {sorted(r['step'] for r in rows)})")
-    return match[0]
-
-
-def _paired(a, b, acc_col):
-    """Paired difference of rows a, b; (plain difference, nan) for rows without n_correct."""
-    ca, cb = a.get(acc_col[:-4] + "_n_correct"), b.get(acc_col[:-4] + "_n_correct")
-    if ca is None or cb is None:
-        return b[acc_col] - a[acc_col], float("nan")
-    return paired_difference(ca, cb, a[acc_col[:-4] + "_n_seeds"])
+def same_loss_lines(pairs, spec_a, spec_b):
+    """same_loss_statistic over the matched pairs, and the direction of the unmatched ones."""
+    matched = [(s, d, math.log(b["trace"] / a["trace"])) for s, a, b, margin, d in pairs
+               if margin < 2 and _finite(a.get("trace")) and _finite(b.get("trace"))]
+    unmatched = [(a, b, d) for s, a, b, margin, d in pairs if margin >= 2]
+    text = [f"same loss, B = {spec_b} minus A = {spec_a}: {len(matched)} matched pairs"]
+    if matched:
+        (d, d_se), (r, r_se), (k, n) = same_loss_statistic(matched)
+        k_seeds = len({s for s, _, _ in matched})
+        text[0] += (f" in {k_seeds} seeds: acc {d:+.4f}" + (f" ± {d_se:.4f}" if d_se else "")
+                    + f", log Tr ratio {r:+.3f}" + (f" ± {r_se:.3f}" if r_se else "")
+                    + f" (Tr x{math.exp(r):.2f}); the flatter side is the more accurate in "
+                    f"{k}/{n} pairs")
+    lower_worse = sum((d > 0) == (a["kl"] < b["kl"]) for a, b, d in unmatched)
+    text.append(f"  not matched: {len(unmatched)} pairs; in {lower_worse} of them the side with "
+                f"the lower loss is the less accurate")
+    return text
 
 
 def _fmt(v):
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+    return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def _fmt_fit(fit):
-    r2, slope = fit
+def _fmt_fit(stats, key):
+    if key not in stats:
+        return "-" if key != "partial" else "- (needs 4)"
+    r2, slope = stats[key]
     return f"{r2:.3f} ({'+' if slope > 0 else '-' if slope < 0 else '0'})"
 
 
 def print_summary(columns, table, csv_path=None, comparisons=()):
-    """Print the table, the correlations per group and the paired comparisons; write the CSV
-    (empty cells for missing values) if asked."""
-    cells = [[_fmt(r.get(c)) for c in columns] for r in table]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
-    for row in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
-    for acc_col in [c for c in columns if c.endswith("_acc")]:
-        print(f"{acc_col}: R² (slope sign) on trace | on KL | on log KL | partial r² of trace "
+    """Print the table; per probe setting and group of runs (and pooled over groups) the R² and
+    slope sign of accuracy on the trace, on KL and on log KL and the trace's partial r² given
+    KL; the paired comparisons (first probe setting); then write the CSV if asked."""
+    cells = [columns] + [[_fmt(r.get(c)) for c in columns] for r in table]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    print("\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells))
+    settings = list(table[0]["n_correct"]) if table else []
+    for acc in [f"{s}_acc" for s in settings]:
+        print(f"{acc}: R² (slope sign) on trace | on KL | on log KL | partial r² of trace "
               f"given KL")
-        for label, n, st in correlations(table, acc_col):
-            if "trace" not in st:
+        used = [r for r in table if all(_finite(r.get(c)) for c in ("trace", "kl", acc))]
+        groups = {}
+        for r in used:
+            groups.setdefault(r["group"], []).append(r)
+        pooled = [("pooled over groups", used)] if len(groups) > 1 else []
+        for label, rows in list(groups.items()) + pooled:
+            y, trace, kl = ([r[c] for r in rows] for c in (acc, "trace", "kl"))
+            if len(rows) < 3:
                 print(f"  {label}: needs >= 3 checkpoints with a trace, a KL and an accuracy; "
-                      f"found {n}")
+                      f"found {len(rows)}")
                 continue
-            log_kl = _fmt_fit(st["log_kl"]) if "log_kl" in st else "-"
-            part = _fmt_fit(st["partial"]) if "partial" in st else "- (needs 4)"
-            print(f"  {label} ({n} checkpoints): {_fmt_fit(st['trace'])} | {_fmt_fit(st['kl'])} "
-                  f"| {log_kl} | {part}")
+            stats = {"trace": regression(trace, y), "kl": regression(kl, y)}
+            stats.update({"log_kl": regression(np.log(kl), y)} if min(kl) > 0 else {})
+            stats.update({"partial": partial_r2(y, trace, kl)} if len(rows) >= 4 else {})
+            print(f"  {label} ({len(rows)} checkpoints): " + " | ".join(
+                _fmt_fit(stats, k) for k in ("trace", "kl", "log_kl", "partial")))
+    pairs = []
     for spec_a, spec_b in comparisons:
-        acc_col = next(c for c in columns if c.endswith("_acc"))
-        for line in compare(table, acc_col, spec_a, spec_b):
-            print(line)
+        lines, found = compare(table, settings[0], spec_a, spec_b)
+        print("\n".join(lines))
+        pairs += [p for p in found if p[3] is not None]          # matched by KL: for --plot
     if csv_path:
         with open(csv_path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=columns)
             w.writeheader()
-            for r in table:
-                w.writerow({c: ("" if r.get(c) is None else r.get(c)) for c in columns})
+            w.writerows({c: "" if r.get(c) is None else r[c] for c in columns} for r in table)
         print(f"wrote {csv_path}")
+    return pairs
 
 
-def plot_summary(table, path):
-    """Figures like the paper's: KL, trace and accuracy against step per run (Figs. 1, 3), and
-    accuracy against trace by group (Figs. 4, 5); matplotlib is optional and imported here."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot needs matplotlib, which is not installed: "
-                         "pip install matplotlib") from None
-    acc_col = next((k for k in table[0] if k.endswith("_acc")), None)
-    panels = [("kl", "KL(truth || model), nats"), ("trace", "Tr[H] (Fisher)"),
-              (acc_col, acc_col)]
+def plot_summary(table, path, pairs=()):
+    """Figures like the paper's, on the first probe setting: KL, trace and accuracy against step
+    per run (Figs. 1, 3) and accuracy against trace by group (Figs. 4, 5); with pairs matched by
+    KL (--compare A B@kl), instead accuracy against KL: B's runs as a line per seed, A's
+    checkpoints as triangles, the trace as colour, each pair joined (dotted where not matched)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    acc = f"{next(iter(table[0]['n_correct']), '')}_acc"
+    if pairs:
+        return plot_pairs(table, pairs, acc, path, plt)
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
-    groups = sorted({r["group"] for r in table})
-    colour = {g: f"C{i % 10}" for i, g in enumerate(groups)}
-    for run in dict.fromkeys(r["run"] for r in table):
-        rows = [r for r in table if r["run"] == run]
-        for ax, (col, label) in zip(axes, panels):
-            pts = [(r["step"], r[col]) for r in rows if col and _finite(r.get(col))]
-            if pts:
-                ax.plot(*zip(*pts), "o-", color=colour[rows[0]["group"]], alpha=0.7, ms=3)
-            ax.set(xlabel="step", ylabel=label)
-    for g in groups:
-        pts = [(r["trace"], r[acc_col]) for r in table
-               if r["group"] == g and _finite(r.get("trace")) and _finite(r.get(acc_col))]
-        if pts:
-            axes[3].scatter(*zip(*pts), color=colour[g], label=g, s=14)
-    axes[3].set(xlabel="Tr[H] (Fisher)", ylabel=acc_col)
+    colour = {g: f"C{i % 10}" for i, g in enumerate(sorted({r["group"] for r in table}))}
+    for ax, col, label in zip(axes, ("kl", "trace", acc), ("KL(truth || model), nats",
+                                                           "Tr[H] (Fisher)", acc)):
+        for run in dict.fromkeys(r["run"] for r in table):
+            rows = [r for r in table if r["run"] == run and _finite(r.get(col))]
+            ax.plot([r["step"] for r in rows], [r[col] for r in rows], "o-", ms=3, alpha=0.7,
+                    color=colour[rows[0]["group"]] if rows else None)
+        ax.set(xlabel="step", ylabel=label)
+    for g in colour:
+        rows = [r for r in table if r["group"] == g and _finite(r.get("trace"))
+                and _finite(r.get(acc))]
+        axes[3].scatter([r["trace"] for r in rows], [r[acc] for r in rows], color=colour[g],
+                        label=g, s=14)
+    axes[3].set(xlabel="Tr[H] (Fisher)", ylabel=acc)
     axes[3].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -641,10 +568,37 @@ def plot_summary(table, path):
     print(f"wrote {path}")
 
 
-# ==================================================================================================
-# plumbing: the command line
-# ==================================================================================================
-# ----------------------------------------------------------------------------- CLI
+def plot_pairs(table, pairs, acc, path, plt):
+    """The same-loss figure of plot_summary."""
+    from matplotlib.colors import LogNorm
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    traces = [r["trace"] for r in table if _finite(r.get("trace"))]
+    norm, cmap = LogNorm(min(traces), max(traces)), plt.get_cmap("viridis")
+    for run in sorted({b["run"] for _, _, b, _ in pairs}):
+        rows = sorted((r for r in table if r["run"] == run and _finite(r.get(acc))
+                       and _finite(r.get("trace"))), key=lambda r: r["step"])
+        ax.plot([r["kl"] for r in rows], [r[acc] for r in rows], "-", color="0.75", lw=0.8,
+                zorder=1)
+        ax.scatter([r["kl"] for r in rows], [r[acc] for r in rows], c=[r["trace"] for r in rows],
+                   cmap=cmap, norm=norm, s=10, zorder=2)
+    for _, a, b, margin in pairs:
+        ax.plot([a["kl"], b["kl"]], [a[acc], b[acc]], "k-" if margin < 2 else "k:", lw=0.7,
+                zorder=3)
+    points = ax.scatter([a["kl"] for _, a, _, _ in pairs], [a[acc] for _, a, _, _ in pairs],
+                        c=[a["trace"] for _, a, _, _ in pairs], cmap=cmap, norm=norm, s=40,
+                        marker="^", edgecolors="k", linewidths=0.5, zorder=4)
+    fig.colorbar(points, ax=ax, label="Tr[H] (Fisher)")
+    ax.set(xscale="log", xlabel="KL(truth || model), nats", ylabel=acc,
+           title="lines: B per seed; triangles: A; joined: pairs at the nearest KL "
+                 "(solid: matched)")
+    ax.title.set_fontsize(8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+# ----------------------------------------------------------------------------- command line
 def parse_args(argv=None):
     """The command line, checked: a bad flag or a missing checkpoint is a one-line usage error."""
     p = argparse.ArgumentParser(
@@ -652,30 +606,22 @@ def parse_args(argv=None):
         formatter_class=train.ShortHelp,
         description=__doc__.split("\n\n")[0] + " (python -m pydoc probe: every option)")
     a = p.add_argument
-    a("paths", nargs="+", help="checkpoints runs/NAME/ckpt_*.pt to probe; with --summary, run "
-      "directories")
-    a("--summary", action="store_true", help="join the metrics/hessian/probe rows of run "
-      "directories into one table, with R² per group")
-    a("--compare", nargs=2, action="append", default=[], metavar=("A", "B"),
-      help="with --summary: paired accuracy difference B - A per training seed, each GROUP@STEP "
-      "(STEP: a number or last; B's may be kl: nearest KL)")
+    a("paths", nargs="+", help="checkpoints runs/NAME/ckpt_*.pt; with --summary, run folders")
+    a("--summary", action="store_true", help="one table of the runs' rows, with R² per group")
+    a("--compare", nargs=2, action="append", default=[], metavar=("A", "B"), help="with "
+      "--summary: accuracy B - A per training seed; GROUP@STEP, STEP a number or last (B: or kl)")
     a("--min-step", type=int, default=0, help="with --summary: only checkpoints at steps >= this")
-    a("--csv", default=None, help="with --summary: also write the table to this CSV file")
-    a("--plot", default=None, help="with --summary: draw the figures to this PNG (matplotlib)")
-    a("--task", default=None, help="downstream task (PCFG: A, B, C; HMM: k, e.g. 6; default: "
-      "the language's first)")
+    a("--csv", help="with --summary: also write the table to this CSV file")
+    a("--plot", help="with --summary: draw the figures to this PNG (needs matplotlib; with "
+      "--compare A B@kl: accuracy against KL, pairs joined)")
+    a("--task", help="downstream task (PCFG: A, B, C; HMM: k, e.g. 6; default: the first)")
     a("--method", choices=["linear", "finetune"], default="linear",
-      help="linear probe (default) or full fine-tuning (App. A.4)")
-    a("--n-train", type=int, default=N_TRAIN, help=f"downstream training examples (default "
-      f"{N_TRAIN}; paper 0.1M)")
+      help="linear probe (default) or fine-tuning (App. A.4)")
+    a("--n-train", type=int, default=N_TRAIN, help=f"training examples (default {N_TRAIN})")
     a("--n-test", type=int, default=N_TEST, help=f"held-out test examples (default {N_TEST})")
     a("--seeds", type=int, default=N_SEEDS, help=f"probe seeds 0..N-1 (default {N_SEEDS})")
-    a("--data-seed", type=int, default=0, help="seed of the downstream sample (the same for "
-      "every checkpoint and probe seed)")
-    a("--no-projection", action="store_true", help="no random projection to 512 dims (what "
-      "the authors' released probe did)")
-    a("--epochs", type=int, default=None, help=f"training epochs (default {LINEAR_EPOCHS} "
-      f"linear, {FT_EPOCHS} fine-tuning)")
+    a("--no-projection", action="store_true", help="no 512-d projection (as the authors' code)")
+    a("--epochs", type=int, help=f"default {LINEAR_EPOCHS} (linear), {FT_EPOCHS} (fine-tuning)")
     a("--device", default="cpu", help="cpu (default) or cuda")
     a("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     args = p.parse_args(argv)
@@ -687,10 +633,11 @@ def parse_args(argv=None):
     for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
         if path and (os.path.isdir(path) or not os.path.isdir(os.path.dirname(path) or ".")):
             bad.append(f"{flag} {path}: must be a file in an existing folder")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        bad.append("--plot needs matplotlib, which is not installed: pip install matplotlib")
     if not args.summary and (args.compare or args.plot or args.csv):
         bad.append("--compare, --plot and --csv go with --summary RUN_DIR ...")
-    if not args.summary:
-        bad += train.missing_checkpoints(args.paths)
+    bad += [] if args.summary else train.missing_checkpoints(args.paths)
     if bad:
         p.error("; ".join(bad))
     return args
@@ -699,28 +646,27 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.summary:
-        try:
+    try:
+        if args.summary:
             columns, table = summary_table(args.paths, args.min_step)
-            print_summary(columns, table, args.csv, args.compare)
+            pairs = print_summary(columns, table, args.csv, args.compare)
             if args.plot:
-                plot_summary(table, args.plot)
-        except ValueError as e:
-            sys.exit(f"probe.py: error: {e}")
-        return
-    cache = {}
-    for i, path in enumerate(args.paths):
-        log(f"[probe] checkpoint {i + 1}/{len(args.paths)}: {path}")
-        try:
+                plot_summary(table, args.plot, pairs)
+            return
+        for path in args.paths:            # every file checked before anything is written
+            ckpt = train.read_checkpoint(path)
+            checked_task(path, ckpt, data.language_from_spec(ckpt["language"]), args.task,
+                         args.method)
+        cache = {}
+        for path in args.paths:
             row = probe_checkpoint(path, args.task, args.method, args.n_train, args.n_test,
-                                   args.seeds, args.data_seed, not args.no_projection,
+                                   args.seeds, None if args.no_projection else PROJ_DIM,
                                    args.epochs, args.device, cache)
-        except (ValueError, FileNotFoundError) as e:
-            sys.exit(f"probe.py: error: {e}")
-        line = json.dumps(row)
-        print(line, flush=True)
-        with open(os.path.join(os.path.dirname(path) or ".", "probe.jsonl"), "a") as f:
-            f.write(line + "\n")
+            print(json.dumps(row), flush=True)
+            with open(os.path.join(os.path.dirname(path) or ".", "probe.jsonl"), "a") as f:
+                f.write(json.dumps(row) + "\n")
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"probe.py: error: {e}")
 
 
 if __name__ == "__main__":

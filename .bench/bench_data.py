@@ -1,13 +1,14 @@
 """Benchmark of data.py's PCFG: exact MLM conditionals and sampling, side by side
-with the per-candidate inside baseline, in one run. Not a test.
+with the per-candidate inside baseline and the plain inside-outside, in one run. Not a test.
 
     OMP_NUM_THREADS=1 python .bench/bench_data.py            # one thread
     OMP_NUM_THREADS=2 python .bench/bench_data.py --threads 2
 
 Prints median wall and CPU seconds over --repeats runs of: mlm_conditional on --n default-grammar
-sentences; the same on --n-base sentences vs the baseline (one inside pass per position and
-candidate word: the V candidates of a position are one batched log_prob call); sampling rate;
-log_prob and span_posterior (task labels) on the --n sentences.
+sentences (target <= 20 s for 1,000 on one thread); the same on --n-base sentences vs the
+baseline (one inside pass per position and candidate word: the V candidates of a position are
+one batched log_prob call) and vs the plain data.pcfg_conditional; sampling rate; log_prob and
+task_posterior (task B labels) on the --n sentences.
 """
 import argparse
 import os
@@ -74,14 +75,20 @@ def main():
           f"{wb:.2f} s, inside-outside {wo:.3f} s: ratio {wb / wo:.0f}x "
           f"(vs amortised batched rate {w / args.n * args.n_base:.3f} s: "
           f"{wb / (w / args.n * args.n_base):.0f}x); max abs difference {err:.1e}")
+    wp, _, plain = timed(lambda: [data.pcfg_conditional(g.root, g.binary, g.lexical,
+                                                        tb[i:i + 1, :L])
+                                  for i, L in enumerate(lb.tolist())], 1)
+    err = max((p[0] - ours[i, :p.shape[1]]).abs().max().item() for i, p in enumerate(plain))
+    print(f"  plain inside-outside (data.pcfg_conditional) {wp:.2f} s: fast path "
+          f"{wp / wo:.0f}x faster; max abs difference {err:.1e}")
 
     ws, cs, _ = timed(lambda: g.sample(args.n_sample, seed=1), args.repeats)
     print(f"sample: {args.n_sample / ws:,.0f} sentences/s wall ({args.n_sample} sentences, "
           f"median {ws:.2f} s)")
     wl, _, _ = timed(lambda: g.log_prob(tokens, lengths), args.repeats)
     print(f"log_prob (inside only), {args.n} sentences: {wl:.2f} s wall")
-    wt, _, _ = timed(lambda: g.span_posterior(tokens, lengths, 16), args.repeats)
-    print(f"span_posterior (task B labels), {args.n} sentences: {wt:.2f} s wall")
+    wt, _, _ = timed(lambda: g.task_posterior("B", tokens, lengths), args.repeats)
+    print(f"task_posterior (task B labels), {args.n} sentences: {wt:.2f} s wall")
 
 
 if __name__ == "__main__":
