@@ -3,7 +3,7 @@
 The true conditional Pr(x_t = w | x_-t) gives the optimal MLM loss (its entropy, §2.1), the
 exact KL of a model to the truth (App. A.4) and the Bayes labels of the downstream tasks.
 `HMM` (the paper's HMM set) has it by forward-backward, `PCFG` (a grammar in Chomsky normal
-form: the PCFG set; `PCFG.from_rules` reads the authors' rule files) by inside-outside. Both
+form: the PCFG set; `parse_rules` reads the authors' rule files) by inside-outside. Both
 have sample / sentences, mlm_conditional, tasks / n_classes / task_data and spec (what
 checkpoints store; language_from_spec). Words are 0..V-1, then mask_id(V) and pad_id(V).
 
@@ -155,11 +155,10 @@ class HMM:
         and words cut into `n_blocks` contiguous blocks; block b's states move among themselves
         and emit block b's words; each row's non-zero part a Dirichlet(concentration) draw
         (numpy, `seed`; below 1: sparse, peaked rows); init uniform."""
-        if not (1 <= n_blocks <= min(n_states, vocab_size) and trans_concentration > 0
-                and emit_concentration > 0):
-            raise ValueError(f"HMM.random: need 1 <= n_blocks <= min(n_states, vocab_size) and "
-                             f"concentrations > 0; got n_blocks={n_blocks}, concentrations "
-                             f"{trans_concentration}, {emit_concentration}")
+        if not (1 <= n_blocks <= min(n_states, vocab_size) and min(trans_concentration,
+                                                                     emit_concentration) > 0):
+            raise ValueError("HMM.random: need 1 <= n_blocks <= min(n_states, vocab_size) and "
+                             "concentrations > 0")
         rng = np.random.default_rng(seed)
         states = np.array_split(np.arange(n_states), n_blocks)
         words = np.array_split(np.arange(vocab_size), n_blocks)
@@ -189,8 +188,7 @@ class HMM:
 
     def sentences(self, n, seed=0):
         """(tokens [n, T], lengths [n]) of fresh sentences (all of length T)."""
-        tokens, lengths, _ = self.sample(n, seed=seed)
-        return tokens, lengths
+        return self.sample(n, seed=seed)[:2]
 
     def mlm_conditional(self, tokens, lengths=None):
         """Exact Pr(x_t = w | x_-t) [n, T, V] float64 = Σ_h Pr(h_t = h | x_-t) emit[h, w]
@@ -326,8 +324,7 @@ class PCFG:
 
     def __init__(self, root, binary, lexical, max_len=32, symbols=None, words=None, origin=None,
                  tol=1e-6, span_tasks=None):
-        root, binary = _as_float64(root, "root"), _as_float64(binary, "binary")
-        lexical = _as_float64(lexical, "lexical")
+        root, binary, lexical = (_as_float64(m, "PCFG rules") for m in (root, binary, lexical))
         _check_grammar(root, binary, lexical, symbols, words, tol)
         if int(max_len) < 1:
             raise ValueError(f"max_len must be >= 1; got {max_len}")
@@ -410,9 +407,8 @@ class PCFG:
         task (zero if the sentence is shorter); rows sum to Pr(the span is a constituent | x)."""
         L = self._span_length(task)
         tokens, lengths = self._checked(tokens, lengths)
-        if L is not None:
-            return self._io.span_posterior(tokens, lengths, L)
-        return self._io.constituent_posterior(tokens, lengths, *self.span_tasks[task])
+        start, width = (0, lengths.clamp(max=L)) if L is not None else self.span_tasks[task]
+        return self._io.constituent_posterior(tokens, lengths, start, width)
 
     def task_data(self, task, n, seed=0):
         """(tokens, lengths, labels [n]): the Bayes label argmax_s of task_posterior, on
@@ -433,11 +429,6 @@ class PCFG:
         if task not in self.tasks:
             raise ValueError(f"unknown task {task!r} for {self!r}; valid tasks are {self.tasks}")
         return self.TASK_SPAN.get(task)
-
-    @classmethod
-    def from_rules(cls, path, max_len=32, tol=1e-2):
-        """The grammar of a rule file in the authors' format (parse_rules)."""
-        return cls(max_len=max_len, **parse_rules(_read_rules(path), str(path), tol))
 
     def spec(self):
         """Plain-Python description (rules as [A, B, C, p] and [A, w, p]);
@@ -476,7 +467,7 @@ def build_language(name, seed=0, rules=None):
     """The named language of `seed` (LANGUAGES), or the PCFG of a rule file."""
     if rules and name != "pcfg":
         raise ValueError(f"a rule file gives a pcfg, not {name}")
-    return PCFG.from_rules(rules) if rules else LANGUAGES[name](seed)
+    return PCFG(**parse_rules(_read_rules(rules), str(rules))) if rules else LANGUAGES[name](seed)
 
 
 def language_from_spec(spec):
@@ -506,9 +497,8 @@ def language_from_spec(spec):
 def _as_float64(x, name):
     """`x` (tensor, numpy array or nested list) as a float64 CPU tensor, or a clear error."""
     try:
-        if torch.is_tensor(x):
-            return x.detach().to("cpu", torch.float64).clone()
-        return torch.as_tensor(np.asarray(x, dtype=np.float64))
+        x = x.detach().cpu().double().numpy() if torch.is_tensor(x) else x
+        return torch.tensor(np.asarray(x, dtype=np.float64))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{name}: expected a numeric array, got {type(x).__name__} ({e})")
 
@@ -595,11 +585,10 @@ def _check_span_tasks(span_tasks, max_len, reserved):
     """{name: (start, width)} of valid span tasks (a list pair, as JSON stores it, accepted)."""
     for name, where in (span_tasks or {}).items():
         if not (isinstance(name, str) and name not in reserved and isinstance(where, (list, tuple))
-                and len(where) == 2 and all(type(v) is int for v in where)
-                and where[0] >= 0 and where[1] >= 1 and sum(where) <= max_len):
-            raise ValueError(f"span task {name!r}: {where!r} must be (start, width) with "
-                             f"start >= 0, width >= 1, start + width <= max_len = {max_len}, "
-                             f"named other than {list(reserved)}")
+                and [type(v) for v in where] == [int, int] and where[0] >= 0 and where[1] >= 1
+                and sum(where) <= max_len):
+            raise ValueError(f"span task {name!r}: {where!r} must be (start, width), start >= 0, "
+                             f"width >= 1, start + width <= max_len = {max_len}, not A, B or C")
     return {name: tuple(where) for name, where in (span_tasks or {}).items()}
 
 
@@ -823,8 +812,8 @@ def _read_rules(path):
         with open(path) as f:
             return f.read()
     except (OSError, UnicodeDecodeError) as e:
-        why = getattr(e, "strerror", None) or e
-        raise ValueError(f"cannot read rule file {str(path)!r}: {why}") from None
+        raise ValueError(f"cannot read rule file {str(path)!r}: "
+                         f"{getattr(e, 'strerror', None) or e}") from None
 
 
 # ------------------------------------------- the fast inside-outside the experiments run ---
@@ -971,36 +960,17 @@ class _InsideOutside:
             out[idx, :p.shape[1]] = torch.where(valid[..., None], p / z.clamp_min(1e-300), 0.0)
         return out
 
-    def span_posterior(self, tokens, lengths, span_len):
-        """A span [0, m) is the left child of a span [0, j), so only the outside scores of the
-        spans starting at 0 are needed: out(0, m, B) = Σ_j Σ_{A,C} out(0, j, A) b(A, B, C)
-        in(m, j, C) (scaled like inside's)."""
-        S = self.root.shape[0]
-        out = torch.zeros(len(lengths), S, dtype=torch.float64)
-        rules = (self.binary * self.rule_scale).reshape(S, S * S)
-        for idx, L, _, top, chart, _ in self.batches(tokens, lengths, outside=False):
-            z = self._probability(top, idx)
-            full = [None] + [c[..., :S] for c in chart[1:]]
-            T = len(full) - 1
-            out0 = torch.zeros(len(idx), T + 1, S, dtype=torch.float64)  # outside of [0, w)
-            for j in range(T, 1, -1):
-                out0[L == j, j] += self.root
-                M = (out0[:, j] @ rules).view(len(idx), S, S)  # Σ_A out(0, j, A) b(A, B, C)
-                right = torch.stack([full[j - k][:, k] for k in range(1, j)], 1)  # in(k, j)
-                out0[:, 1:j] += torch.einsum("nbc,nkc->nkb", M, right)
-            out0[L == 1, 1] += self.root
-            m = L.clamp(max=int(span_len))
-            inside0 = torch.stack([full[w][r, 0] for r, w in enumerate(m.tolist())])
-            out[idx] = inside0 * out0[torch.arange(len(idx)), m] / z[:, None]
-        return out
-
     def constituent_posterior(self, tokens, lengths, start, width):
+        """Pr(s spans exactly words [start, start + width) | x) [n, S]; width an int or [n]
+        (tasks A/B/C: min(L, length)); zero where the sentence is shorter than the span."""
         S = self.root.shape[0]
+        width = torch.as_tensor(width).expand(len(lengths))
         out = torch.zeros(len(lengths), S, dtype=torch.float64)
         for idx, L, _, top, chart, outer in self.batches(tokens, lengths):
-            if int(L.max()) >= start + width:  # else no sentence of the batch reaches the span
-                z = self._probability(top, idx)
-                out[idx] = chart[width][:, start, :S] * outer[width][:, start, :S] / z[:, None]
+            z = self._probability(top, idx)
+            for r, w in enumerate(width[idx].tolist()):
+                if start + w <= int(L[r]):
+                    out[idx[r]] = chart[w][r, start, :S] * outer[w][r, start, :S] / z[r]
         return out
 
     def _probability(self, top, idx):
@@ -1033,8 +1003,8 @@ def main(argv=None):
     out_dir = os.path.dirname(os.path.abspath(args.out))
     for bad, what in ((args.n < 1, f"--n must be >= 1 (got {args.n})"),
                       (not 0 <= args.seed < 2**32, f"--seed must be in 0..{2**32 - 1}"),
-                      (os.path.isdir(args.out), f"--out {args.out} is a directory"),
-                      (not os.path.isdir(out_dir), f"--out {args.out}: no directory {out_dir}")):
+                      (os.path.isdir(args.out) or not os.path.isdir(out_dir),
+                       f"--out {args.out}: not a file in an existing folder")):
         if bad:  # before any sampling: a bad --out would otherwise fail after minutes of work
             p.error(what)
     try:

@@ -636,7 +636,7 @@ def test_data_pcfg_span_posteriors_equal_enumerated_parses():
     g = _data_tiny_pcfg()
     tokens, lengths = _data_batch(_DATA_XS, 6, 3)
     for span in (1, 2, 3, 8):
-        post = g._io.span_posterior(tokens, lengths, span)
+        post = g._io.constituent_posterior(tokens, lengths, 0, lengths.clamp(max=span))
         for i, x in enumerate(_DATA_XS):
             brute = _data_brute_constituent_posterior(g, x, 0, min(span, len(x)))
             assert torch.allclose(post[i], brute, atol=1e-12, rtol=0)
@@ -795,7 +795,7 @@ def test_data_pcfg_default_grammar_conditionals_length_32():
     (lambda g: data.parse_rules("S A 1.0\nS A B 0.5\nA x 1.0\nB y 1\n"), "line 2: the start"),
     (lambda g: data.parse_rules("S A B 1.0\nA B 1.0\nB x 1.0\n"), "line 2: unary rule A -> B"),
     (lambda g: data.parse_rules("# nothing\n"), "no rules found"),
-    (lambda g: data.PCFG.from_rules("missing_rules.txt"), "cannot read rule file"),
+    (lambda g: data.build_language("pcfg", rules="missing_rules.txt"), "cannot read rule file"),
 ])
 def test_data_pcfg_invalid_inputs_raise(call, message):
     with pytest.raises(ValueError, match=message):
@@ -805,7 +805,7 @@ def test_data_pcfg_invalid_inputs_raise(call, message):
 def test_data_rule_files_and_spec_round_trips(tmp_path):
     """A rule file read as a PCFG; every language's spec() survives JSON and rebuilds it."""
     (tmp_path / "my rules.txt").write_text(_DATA_RULES)
-    g = data.PCFG.from_rules(tmp_path / "my rules.txt")
+    g = data.build_language("pcfg", rules=tmp_path / "my rules.txt")
     assert g.symbols == ["S_a", "S_b", "X", "Y"] and g.words == ["cat", "dog", "runs"]
     assert g.root.tolist() == [0.75, 0.25, 0.0, 0.0]
     assert g.binary[0, 2, 3] == 1.0 and g.binary[1, 3, 2] == 1.0 and g.binary[2, 2, 3] == 0.25
@@ -825,7 +825,7 @@ def test_data_pcfg_authors_rules_load_if_present():
     path = shared / "data" / "paper_authors_pcfg_rules.txt"
     if not path.exists():
         pytest.skip("authors' grammar not present")
-    g = data.PCFG.from_rules(path)
+    g = data.build_language("pcfg", rules=path)
     assert (g.n_symbols, g.vocab_size) == (49, 200) and g.symbols[0] == "S1"
     t, l = g.sentences(200, seed=0)
     assert l.max() <= 16
@@ -864,8 +864,9 @@ def test_data_cli_writes_reloadable_dataset(tmp_path, capsys):
      "--rules: cannot read rule file '{tmp}/missing.txt': No such file"),
     (["pcfg", "--rules", "{tmp}/bad.txt"], "{tmp}/bad.txt, line 3: expected 'LHS RHS1 [RHS2]"),
     (["hmm", "--rules", "{tmp}/bad.txt"], "--rules: a rule file gives a pcfg, not hmm"),
-    (["pcfg", "--out", "{tmp}/no/such/dir/a.pt"], "--out {tmp}/no/such/dir/a.pt: no directory"),
-    (["pcfg", "--out", "{tmp}"], "--out {tmp} is a directory"),
+    (["pcfg", "--out", "{tmp}/no/such/dir/a.pt"],
+     "--out {tmp}/no/such/dir/a.pt: not a file in an existing folder"),
+    (["pcfg", "--out", "{tmp}"], "--out {tmp}: not a file in an existing folder"),
     (["pcfg", "--n", "0"], "--n must be >= 1 (got 0)"),
     (["hmm", "--seed", "-1"], "--seed must be in 0..4294967295"),
 ])
@@ -2899,7 +2900,8 @@ def test_probe_summary_paired_comparison_across_seeds(tmp_path, capsys):
     out = capsys.readouterr().out
     for seed, d in enumerate(differences):
         se = d.std(ddof=1) / math.sqrt(len(d))
-        assert f"seed {seed}: A e1-s{seed}@1000" in out and f"diff {d.mean():+.4f} ± {se:.4f}" in out
+        assert f"seed {seed}: A e1-s{seed}@1000" in out
+        assert f"diff {d.mean():+.4f} ± {se:.4f}" in out
     means = [d.mean() for d in differences]
     assert (f"mean over 3 seeds: {np.mean(means):+.4f} ± {np.std(means, ddof=1) / math.sqrt(3):.4f}"
             in out and "3/3 seeds positive" in out)
@@ -2915,7 +2917,8 @@ def _probe_toy_chain(tmp_path):
     """Per training seed 0-2: a constant-lr run `run` (KL 0.050, 0.040, ..., 0.010 at steps
     1000-5000, kl_se 0.001) and decay branches br-from1000 (KL 0.0402: step 2000, 0.1 combined
     se away), br-from2000 (0.0211: step 4000, 0.8 se) and br-from3000 (0.0050: below the whole
-    run, nearest step 5000, NOT matched); counts drawn at random, traces chosen. Returns (runs, {(seed, branch): (branch row numbers, nearest step)})."""
+    run, nearest step 5000, NOT matched); counts drawn at random, traces chosen. Returns (runs,
+    {(seed, branch start): its KL, nearest step, trace, accuracy difference, log trace ratio})."""
     rng, runs, truth = np.random.default_rng(5), [], {}
     for seed in range(3):
         steps, kls = [1000, 2000, 3000, 4000, 5000], [0.05, 0.04, 0.03, 0.02, 0.01]
