@@ -25,6 +25,7 @@ import csv
 import dataclasses
 import io
 import itertools
+import importlib.util
 import json
 import math
 import os
@@ -3726,3 +3727,60 @@ def test_repro_e3_training_algorithms_chain(tmp_path, capsys):
     assert abs(float(lookup["kl"])) < 1e-9
     assert any("adv_loss" in r for r in probe.read_jsonl(os.path.join(runs["adversarial"][0],
                                                                        "metrics.jsonl")))
+
+
+# ===============================================================================================
+# .ci/handout.py: the exercises' markers and the student copy
+# ===============================================================================================
+
+def _handout():
+    spec = importlib.util.spec_from_file_location("handout", Path(__file__).parent / ".ci" /
+                                                  "handout.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_handout_student_copy_compiles_and_keeps_markers(tmp_path):
+    """Every script of the all-blank copy parses, keeps each region's markers, and holds one
+    NotImplementedError naming each exercise."""
+    handout = _handout()
+    exercises = handout.find_exercises()
+    assert len(exercises) >= 15 and {e["file"] for e in exercises.values()} == set(handout.SCRIPTS)
+    handout.write_handout(str(tmp_path / "class"), sorted(exercises), exercises=exercises)
+    for script in handout.SCRIPTS:
+        text = (tmp_path / "class" / script).read_text()
+        compile(text, script, "exec")
+        for name, ex in exercises.items():
+            if ex["file"] == script:
+                assert f"# BEGIN EXERCISE {name}" in text and f"# END EXERCISE {name}" in text
+                assert text.count(f"NotImplementedError('exercise {name}:") == 1
+
+
+@pytest.mark.parametrize("edits, argv, message", [
+    ([], ["nope"], "unknown exercise 'nope'"),
+    ([], ["--nonempty"], "exists and is not an empty folder"),
+    ([("    # END EXERCISE mask\n", "")], [], "inside exercise mask (no END before it)"),
+    ([("    # BEGIN EXERCISE mask\n", "")], [], "END EXERCISE mask without its BEGIN"),
+    ([("EXERCISE mask\n", "EXERCISE mask requires ghost\n")], [],
+     "requires ghost, which is no exercise"),
+    ([("EXERCISE mask\n", "EXERCISE inside_x\n")] * 2, [], "inside is a prefix of inside_x"),
+])
+def test_handout_refuses_bad_markers_and_arguments(tmp_path, edits, argv, message):
+    """One-line errors naming what is wrong, and nothing written."""
+    handout, root = _handout(), tmp_path / "project"
+    root.mkdir()
+    for script in handout.SCRIPTS:
+        (root / script).write_text((Path(__file__).parent / script).read_text())
+    text = (root / "data.py").read_text()
+    for old, new in edits:
+        text = text.replace(old, new, 1)
+    (root / "data.py").write_text(text)
+    out = tmp_path / "class"
+    if argv == ["--nonempty"]:
+        out.mkdir()
+        (out / "x").write_text("")
+    with pytest.raises(handout.HandoutError, match=re.escape(message)):
+        handout.write_handout(str(out), [a for a in argv if a != "--nonempty"] or ["mask"],
+                              root=str(root))
+    assert not out.exists() or os.listdir(out) == ["x"]

@@ -25,7 +25,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("data.py", "model.py", "train.py", "hessian.py", "probe.py", "dyck_theory.py")
-COPIED = SCRIPTS + ("test_all.py", "README.md", "requirements.txt")
+COPIED = SCRIPTS + ("test_all.py", "README.md", "requirements.txt", ".ci/handout.py")
 BEGIN = re.compile(r"^(\s*)# BEGIN EXERCISE (\S+)(?: requires((?: \S+)+))?\s*$")
 END = re.compile(r"^(\s*)# END EXERCISE (\S+)\s*$")
 NAME = re.compile(r"^[A-Za-z0-9_]+$")
@@ -129,6 +129,7 @@ def write_handout(out, names, root=ROOT, exercises=None):
             with open(os.path.join(out, file), "w", encoding="utf-8") as f:
                 f.write(text)
         elif os.path.exists(src):
+            os.makedirs(os.path.dirname(os.path.join(out, file)), exist_ok=True)
             shutil.copy(src, os.path.join(out, file))
 
 
