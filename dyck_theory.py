@@ -541,7 +541,7 @@ def main(argv=None):
                         help="print one JSON object (keys T, m, n, mlm_loss, trace, "
                              "downstream_loss, downstream_failure_probability) instead of claims")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: on 2 shared cores more were slower)")
+                        help="torch CPU threads (default 1)")
     args = parser.parse_args(argv)
     try:                 # every flag by name, before rf_min_width(T) below needs a valid T
         check_args(args.T, args.m, args.n, args.seed, args.threads)
