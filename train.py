@@ -124,8 +124,8 @@ def adversarial_loss(feats, tokens, labels, n_classes, n1, pad, generator, alpha
     Y = F.one_hot(labels, n_classes).float()
     with torch.autocast(X.device.type, enabled=False):                  # solve in float32
         X = X.float() @ gaussian_projection(X.shape[1], ADV_PROJ_DIM, generator).to(X.device)
-        # standardise(X[:n1], X) written out: D1's rows sliced twice sums their gradient in the
-        # order of the runs made before standardise() existed (same numbers, same last bits)
+        # standardise(X[:n1], X) written out, with a floor on the std: this order of the sums
+        # reproduces the README's adversarial runs to the last bit
         mean, std = X[:n1].mean(0), X[:n1].std(0).clamp_min(1e-6)
         X = (X - mean) / std
         X1, X2 = X[:n1], X[n1:]
