@@ -357,10 +357,10 @@ def summary_table(run_dirs, min_step=0):
             row.update({c: evals.get(step, {}).get(c) for c in METRIC_COLUMNS})
             row.update({c: hess.get(step, {}).get(c) for c in HESSIAN_COLUMNS})
             rows.append((row, probes.get(step, {})))
-    for row, measured in rows:
+    for row, probed in rows:
         row["n_correct"], row["n_probe_seeds"] = {}, {}
         for s in settings:
-            r = measured.get(s, {})
+            r = probed.get(s, {})
             row[f"{s}_acc"], row[f"{s}_acc_std"] = r.get("acc"), r.get("acc_std")
             row["n_correct"][s], row["n_probe_seeds"][s] = r.get("n_correct"), len(r.get(
                 "seeds", []))
