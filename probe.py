@@ -14,9 +14,9 @@ After the banner, the plumbing: one checkpoint's row, the summary table, the com
     python probe.py runs/e1-s0/ckpt_0006000.pt --method finetune
     python probe.py --summary runs/e1-s{0,1,2} --compare e1@3000 e1@last --plot e1.png
 
-Each probed checkpoint prints and appends to runs/NAME/probe.jsonl one JSON row: ckpt, step,
-task, method, acc and acc_std (mean, std ddof=1 over probe seeds), accs, n_correct (per test
-sentence, how many probe seeds got it right) and the settings. `--summary` joins the rows of
+Each probed checkpoint appends to runs/NAME/probe.jsonl one JSON row: ckpt, step, task, method,
+acc and acc_std (mean, std ddof=1 over probe seeds), accs, n_correct (per test sentence, how
+many probe seeds got it right) and the settings; it prints the row without n_correct. `--summary` joins the rows of
 train.py, hessian.py and probe.py in run folders (print_summary says what it prints).
 """
 import argparse
@@ -662,7 +662,7 @@ def main(argv=None):
             row = probe_checkpoint(path, args.task, args.method, args.n_train, args.n_test,
                                    args.seeds, None if args.no_projection else PROJ_DIM,
                                    args.epochs, args.device, cache)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k != "n_correct"}), flush=True)
             with open(os.path.join(os.path.dirname(path) or ".", "probe.jsonl"), "a") as f:
                 f.write(json.dumps(row) + "\n")
     except (ValueError, FileNotFoundError) as e:

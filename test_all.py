@@ -3129,6 +3129,16 @@ def test_probe_threads_flag(tmp_path):
     assert len(probe.read_jsonl(str(tmp_path / "probe.jsonl"))) == 2
 
 
+def test_probe_cli_prints_the_row_without_per_sentence_counts(tmp_path, capsys):
+    ckpt = _probe_lookup_ckpt(tmp_path, _probe_tiny_hmm())
+    capsys.readouterr()
+    probe.main([ckpt, *_PROBE_CLI_SMALL])
+    printed = json.loads(capsys.readouterr().out)
+    (written,) = probe.read_jsonl(str(tmp_path / "probe.jsonl"))
+    assert len(written["n_correct"]) == 10 and "n_correct" not in printed
+    assert printed == {k: v for k, v in written.items() if k != "n_correct"}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--summary", "RUN", "--csv", "TMP"], "must be a file in an existing folder"),  # a folder
     (["CKPT", "--compare", "a@1", "b@1"], "--compare, --plot and --csv go with --summary"),
