@@ -124,11 +124,7 @@ def adversarial_loss(feats, tokens, labels, n_classes, n1, pad, generator, alpha
     Y = F.one_hot(labels, n_classes).float()
     with torch.autocast(X.device.type, enabled=False):                  # solve in float32
         X = X.float() @ gaussian_projection(X.shape[1], ADV_PROJ_DIM, generator).to(X.device)
-        # standardise(X[:n1], X) written out, with a floor on the std: this order of the sums
-        # reproduces the README's adversarial runs to the last bit
-        mean, std = X[:n1].mean(0), X[:n1].std(0).clamp_min(1e-6)
-        X = (X - mean) / std
-        X1, X2 = X[:n1], X[n1:]
+        X1, X2 = standardise(X[:n1], X[n1:])
         K = X1 @ X1.T                                                    # (n1, n1)
         a = alpha * K.diagonal().mean()
         A = torch.linalg.solve(K + a * torch.eye(n1, dtype=K.dtype, device=K.device), Y[:n1])
