@@ -16,8 +16,9 @@ After the banner, the plumbing: one checkpoint's row, the summary table, the com
 
 Each probed checkpoint appends to runs/NAME/probe.jsonl one JSON row: ckpt, step, task, method,
 acc and acc_std (mean, std ddof=1 over probe seeds), accs, n_correct (per test sentence, how
-many probe seeds got it right) and the settings; it prints the row without n_correct. `--summary` joins the rows of
-train.py, hessian.py and probe.py in run folders (print_summary says what it prints).
+many probe seeds got it right) and the settings; it prints the row without n_correct.
+`--summary` joins the rows of train.py, hessian.py and probe.py in run folders (print_summary
+says what it prints). `--method onehot` probes one-hot words instead: a task's no-model baseline.
 """
 import argparse
 import copy
@@ -80,6 +81,13 @@ def concat_features(net, tokens, lengths, width=None, device="cpu", batch_size=F
         h = h * (torch.arange(tok.shape[1], device=device)[None, :] < n[:, None])[:, :, None]
         out.append(F.pad(h, (0, 0, 0, (width or tok.shape[1]) - tok.shape[1])).flatten(1))
     return torch.cat(out)
+
+
+def word_features(tokens, lengths, n_ids):
+    """The no-model baseline's representation: each position's one-hot word, [n, T] ->
+    [n, T·n_ids], zero at positions t >= length: what a task gives away from the words alone."""
+    in_sentence = torch.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    return (F.one_hot(tokens, n_ids).float() * in_sentence[..., None]).flatten(1)
 
 
 def linear_probe(x_train, y_train, x_test, y_test, n_classes, seed, proj_dim=PROJ_DIM,
@@ -260,7 +268,7 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
     t0 = time.time()
     model, ckpt, lang = train.load_checkpoint(path, device=device)
     task, n_classes = checked_task(path, ckpt, lang, task, method)
-    epochs = epochs or (LINEAR_EPOCHS if method == "linear" else FT_EPOCHS)
+    epochs = epochs or (FT_EPOCHS if method == "finetune" else LINEAR_EPOCHS)
     cache = {} if cache is None else cache     # downstream data for the language's next ckpt
     key = (json.dumps(lang.spec(), sort_keys=True), task, n_train, n_test)
     if key not in cache:
@@ -271,9 +279,12 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
         with torch.no_grad():
             x = concat_features(model, tok, lengths, device=device, batch_size=bs)
             x_test = concat_features(model, tok_test, lengths_test, device=device, batch_size=bs)
+    elif method == "onehot":
+        n_ids = lang.vocab_size + data.N_SPECIAL
+        x, x_test = word_features(tok, lengths, n_ids), word_features(tok_test, lengths_test, n_ids)
     accs, n_correct = [], torch.zeros(n_test, dtype=torch.long)   # seeds right, per test sentence
     for s in range(n_seeds):
-        if method == "linear":
+        if method != "finetune":
             correct = linear_probe(x, labels, x_test, labels_test, n_classes, seed=s,
                                    proj_dim=proj_dim, epochs=epochs)
         else:
@@ -287,8 +298,8 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
             "acc_std": float(np.std(accs, ddof=1)) if n_seeds > 1 else None,
             "accs": accs, "n_train": n_train, "n_test": n_test, "seeds": list(range(n_seeds)),
             "data_seed": DATA_SEED, "kind": ckpt["kind"], "language": lang.spec()["kind"],
-            "n_classes": n_classes, "projection": proj_dim if method == "linear" else None,
-            "epochs": epochs, "lr": LINEAR_LR if method == "linear" else FT_LR,
+            "n_classes": n_classes, "projection": None if method == "finetune" else proj_dim,
+            "epochs": epochs, "lr": FT_LR if method == "finetune" else LINEAR_LR,
             "n_correct": n_correct.tolist(), "wall_s": round(time.time() - t0, 2)}
 
 
@@ -340,7 +351,7 @@ def summary_table(run_dirs, min_step=0):
         probes = {}
         for r in read_jsonl(os.path.join(run, "probe.jsonl"), ("step", "method", "task")):
             setting = f"{r['method']}_{r['task']}"
-            if r["method"] == "linear" and "projection" in r and r["projection"] is None:
+            if r["method"] != "finetune" and "projection" in r and r["projection"] is None:
                 setting += "_noproj"                  # a different probe: its own column
             _check_same(seen, f"probe.py {setting} settings", name,
                         {k: r.get(k) for k in PROBE_SETTINGS})
@@ -615,8 +626,8 @@ def parse_args(argv=None):
     a("--plot", help="with --summary: draw the figures to this PNG (needs matplotlib; with "
       "--compare A B@kl: accuracy against KL, pairs joined)")
     a("--task", help="downstream task (PCFG: A, B, C; HMM: k, e.g. 6; default: the first)")
-    a("--method", choices=["linear", "finetune"], default="linear",
-      help="linear probe (default) or fine-tuning (App. A.4)")
+    a("--method", choices=["linear", "finetune", "onehot"], default="linear", help="linear "
+      "probe (default), fine-tuning (App. A.4), or the linear probe on one-hot words: no model")
     a("--n-train", type=int, default=N_TRAIN, help=f"training examples (default {N_TRAIN})")
     a("--n-test", type=int, default=N_TEST, help=f"held-out test examples (default {N_TEST})")
     a("--seeds", type=int, default=N_SEEDS, help=f"probe seeds 0..N-1 (default {N_SEEDS})")

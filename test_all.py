@@ -3049,6 +3049,28 @@ def _probe_lookup_ckpt(tmp_path, lang, name="ckpt_0000000.pt"):
     return path
 
 
+def test_probe_word_features_are_the_sentences_one_hot_words():
+    tokens, lengths = torch.tensor([[1, 0, 3], [2, 2, 4]]), torch.tensor([3, 1])
+    expected = torch.zeros(2, 3, 5)
+    for i in range(2):
+        for t in range(lengths[i]):                  # nothing at padding positions
+            expected[i, t, tokens[i, t]] = 1
+    assert torch.equal(probe.word_features(tokens, lengths, 5), expected.reshape(2, 15))
+
+
+def test_probe_onehot_method_is_the_linear_probe_on_the_words(tmp_path):
+    lang = _probe_tiny_hmm()
+    ckpt = _probe_lookup_ckpt(tmp_path, lang)
+    row = probe.probe_checkpoint(ckpt, "3", method="onehot", n_train=200, n_test=100, n_seeds=2,
+                                 epochs=2)
+    (tok, _, y), (tok_test, _, y_test) = probe.downstream_data(lang, "3", 200, 100)
+    eye = torch.eye(lang.vocab_size + data.N_SPECIAL)      # HMM sentences have no padding
+    expected = sum(probe.linear_probe(eye[tok].flatten(1), y, eye[tok_test].flatten(1), y_test,
+                                      lang.n_classes("3"), seed=s, epochs=2).long()
+                   for s in range(2))
+    assert row["method"] == "onehot" and row["n_correct"] == expected.tolist()
+
+
 def test_probe_checkpoint_row_fields(tmp_path):
     ckpt = _probe_lookup_ckpt(tmp_path, _probe_tiny_hmm())
     row = probe.probe_checkpoint(ckpt, "3", n_train=200, n_test=100, n_seeds=2, epochs=2)
