@@ -3626,7 +3626,7 @@ def test_dyck_json_of_a_short_real_run(monkeypatch, capsys):
     fail = result["downstream_failure_probability"]
     assert abs(fail["exact"] - (2 * (1 - p) ** 10 - q ** 10)) < 1e-15
     se = math.sqrt(fail["exact"] * (1 - fail["exact"]) / 400)
-    assert abs(fail["measured"] - fail["exact"]) < 5 * se
+    assert abs(fail["monte_carlo"] - fail["exact"]) < 5 * se
     assert fail["theorem_bound"] == 2.0 ** -10 < fail["exact"]
 
 
