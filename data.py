@@ -20,6 +20,7 @@ the spec, read back by torch.load(FILE, weights_only=True)):
 import argparse
 import math
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -36,12 +37,18 @@ HMM_SMALL = dict(n_states=20, vocab_size=50, n_blocks=2, length=16)  # "hmm-smal
 PCFG_SMALL = dict(n_symbols=10, vocab_size=24, n_levels=4, rules_per_symbol=4,
                   words_per_symbol=12, max_len=8, span_tasks={"D": (2, 2)})
 
+# The hierarchical PCFG ("pcfg-deep", PCFG.hierarchy): 3 levels of 8 symbols over 8 one-word
+# preterminals, 4 rules each, no two symbols sharing a rule. Every sentence has 8 words and one
+# parse, so the root (task A) is a function of all 8 words, far from any one of them.
+PCFG_DEEP = dict(n_per_level=8, rules_per_symbol=4, n_levels=3)
+
 # The named languages (train.py --lang and this CLI), each a function of the language's seed.
 LANGUAGES = {
     "hmm-small": lambda seed: HMM.random(seed=seed, **HMM_SMALL),   # the CPU experiments'
     "hmm": lambda seed: HMM.random(seed=seed),                    # the paper's: 100 states, V=200
     "pcfg": lambda seed: PCFG.random(seed=seed),                  # the paper's: 50 symbols, V=200
     "pcfg-small": lambda seed: PCFG.random(seed=seed, **PCFG_SMALL),
+    "pcfg-deep": lambda seed: PCFG.hierarchy(seed=seed, **PCFG_DEEP),
 }
 
 
@@ -356,6 +363,38 @@ class PCFG:
                                  upper_words=int(upper_words))}
         root, binary, lexical = _layered_grammar(max_len=max_len, **origin["random"])
         return cls(root, binary, lexical, max_len=max_len, origin=origin, span_tasks=span_tasks)
+
+    @classmethod
+    def hierarchy(cls, n_per_level=8, rules_per_symbol=4, n_levels=3, words_per_symbol=1,
+                  vocab_size=None, seed=0):
+        """A random hierarchy (the Random Hierarchy Model of Cagnetta, Petrini, Tomasini, Favero
+        and Wyart, 2024, as a CNF PCFG): levels 0..n_levels of `n_per_level` symbols each; the
+        root is uniform over level 0; a level-l symbol (l < n_levels) has `rules_per_symbol`
+        rules A -> B C of probability 1/m onto level l+1, distinct pairs for all symbols of the
+        level (no pair has two parents); each last-level symbol emits `words_per_symbol` of
+        `vocab_size` (default n_per_level) words uniformly, symbol i word i when both are
+        defaults. Every tree is full binary: sentences have 2^n_levels words (numpy, `seed`)."""
+        v, m, L, k = int(n_per_level), int(rules_per_symbol), int(n_levels), int(words_per_symbol)
+        V = v if vocab_size is None else int(vocab_size)
+        if not (v >= 1 and 1 <= m <= v and 1 <= L <= 5 and 1 <= k <= V):
+            raise ValueError(f"PCFG.hierarchy: need n_per_level >= 1, 1 <= rules_per_symbol <= "
+                             f"n_per_level (distinct pairs), 1 <= n_levels <= 5, 1 <= "
+                             f"words_per_symbol <= vocab_size; got {v}, {m}, {L}, {k}, {V}")
+        origin = {"hierarchy": dict(n_per_level=v, rules_per_symbol=m, n_levels=L,
+                                    words_per_symbol=k, vocab_size=V, seed=int(seed))}
+        rng = np.random.default_rng(seed)
+        S = v * (L + 1)  # symbol l * v + i is symbol i of level l
+        root, binary, lexical = np.zeros(S), np.zeros((S, S, S)), np.zeros((S, V))
+        root[:v] = 1 / v
+        for level in range(L):
+            pairs = rng.choice(v * v, size=v * m, replace=False).reshape(v, m)
+            below = (level + 1) * v
+            for i in range(v):
+                binary[level * v + i, below + pairs[i] // v, below + pairs[i] % v] = 1 / m
+        for i in range(v):
+            words = [i] if k == 1 and V == v else rng.choice(V, size=k, replace=False)
+            lexical[L * v + i, words] = 1 / k
+        return cls(root, binary, lexical, max_len=2 ** L, origin=origin)
 
     def sample(self, n, seed=0, max_len=None):
         """n sentences of at most max_len words: (tokens [n, max_len], pad_id beyond the
@@ -800,6 +839,12 @@ def parse_rules(text, where="<text>", tol=1e-2):
             [(s, binary[i].sum() + lexical[i].sum()) for i, s in enumerate(symbols)]:
         if abs(total - 1) > tol:
             fail(f"rules of {name} sum to {total:.6g}, off by {total - 1:+.3g} (tol {tol})")
+    reached = root > 0
+    for _ in range(S):  # symbols on the right of a reached symbol's rules are reached
+        reached = reached | (binary[reached].sum((0, 2)) > 0) | (binary[reached].sum((0, 1)) > 0)
+    if not reached.all():  # harmless (the authors' grammar has one), but often a typo
+        warnings.warn(f"{where}: no derivation from the start symbol reaches "
+                      f"{', '.join(s for s, r in zip(symbols, reached) if not r)}", stacklevel=2)
     z = binary.sum((1, 2)) + lexical.sum(1)
     return dict(root=root / root.sum(), binary=binary / z[:, None, None],
                 lexical=lexical / z[:, None], symbols=symbols, words=words,
@@ -982,13 +1027,64 @@ class _InsideOutside:
 
 # ===================================================================================== CLI ===
 
+# ------------------------------------------------------------- command-line input, checked ---
+
+SEED_MAX = 2**32 - 1  # numpy's largest seed
+
+
+def int_flag(lo, hi=None):
+    """An argparse type: an integer in lo..hi (no upper bound if hi is None); anything else is a
+    one-line usage error naming the flag, before any work (train.py, hessian.py, probe.py)."""
+    def integer(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo or hi is not None and value > hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi} (got {value})" if hi is not
+                                             None else f"must be >= {lo} (got {value})")
+        return value
+    return integer
+
+
+def unwritable(path, flag, folder=False):
+    """Why `path` (a file; with folder=True a folder, created if missing) cannot be written, as
+    a message naming `flag`, or None: every output is checked before any work is done."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and os.path.isdir(path) != folder:
+        return f"{flag} {path} is a {'file' if folder else 'folder'}; it must be a " \
+               f"{'folder' if folder else 'file'}"
+    parent = path if folder else os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{flag} {path} cannot be created: {parent} is a file"
+    if not os.access(parent, os.W_OK | os.X_OK) or os.statvfs(parent).f_flag & os.ST_RDONLY:
+        return f"{flag} {path} cannot be written: {parent} is not writable"
+    return None
+
+
+def _not_data_file(path):
+    """A message if `path` is a file that main() did not write (a checkpoint, say), else None."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        old = torch.load(path, weights_only=True)
+    except Exception:
+        old = None
+    if isinstance(old, dict) and {"spec", "tokens", "lengths", "labels"} <= set(old):
+        return None
+    return f"--out {path} exists and is not a data.py file; give another name (nothing written)"
+
+
 def _parser():
     p = argparse.ArgumentParser(description="Sample a synthetic language (App. A.1): sentences, "
                                 "task labels and the generator's spec, for torch.load(FILE, "
                                 "weights_only=True).")
     p.add_argument("kind", choices=list(LANGUAGES), help="which language (data.LANGUAGES)")
-    p.add_argument("--n", type=int, default=10000, help="number of sentences")
-    p.add_argument("--seed", type=int, default=0, help="seed of the language and the sample")
+    p.add_argument("--n", type=int_flag(1), default=10000, help="number of sentences")
+    p.add_argument("--seed", type=int_flag(0, SEED_MAX), default=0,
+                   help="seed of the language and the sample")
     p.add_argument("--out", required=True, help="output file (.pt)")
     p.add_argument("--rules", help="pcfg only: the grammar of this rule file (parse_rules)")
     p.add_argument("--conditionals", action="store_true",
@@ -1000,18 +1096,18 @@ def main(argv=None):
     """Command line (App. A.1): sample one language's sentences, task labels and spec."""
     p = _parser()
     args = p.parse_args(argv)
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    for bad, what in ((args.n < 1, f"--n must be >= 1 (got {args.n})"),
-                      (not 0 <= args.seed < 2**32, f"--seed must be in 0..{2**32 - 1}"),
-                      (os.path.isdir(args.out) or not os.path.isdir(out_dir),
-                       f"--out {args.out}: not a file in an existing folder")):
-        if bad:  # before any sampling: a bad --out would otherwise fail after minutes of work
-            p.error(what)
+    torch.set_num_threads(1)  # one thread per process: two jobs on two cores do not collide
+    bad = unwritable(args.out, "--out") or _not_data_file(args.out)
+    if bad:  # before any sampling: a bad --out would otherwise fail after minutes of work
+        p.error(bad)
     try:
         lang = build_language(args.kind, args.seed, args.rules)
     except ValueError as e:
         p.error(f"--rules: {e}")
-    tokens, lengths = lang.sentences(args.n, seed=args.seed)
+    try:
+        tokens, lengths = lang.sentences(args.n, seed=args.seed)
+    except ValueError as e:  # a grammar whose sentences are (almost) never short enough
+        p.error(f"{args.kind}: {e}")
     print(f"{lang!r}: {args.n} sentences, mean length {lengths.double().mean():.2f}")
     out = {"spec": lang.spec(), "seed": args.seed, "tokens": tokens, "lengths": lengths,
            "labels": {}}
@@ -1024,6 +1120,7 @@ def main(argv=None):
                                          for i in range(0, args.n, 500)])
     h, se = mlm_entropy(lang, n=min(args.n, 1000), seed=args.seed + 2)
     print(f"optimal MLM loss (entropy): {h:.4f} +- {se:.4f} nats")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     torch.save(out, args.out)
     print(f"wrote {args.out}")
 

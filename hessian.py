@@ -25,6 +25,7 @@ import contextlib
 import copy
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -579,7 +580,7 @@ def parse_args(argv=None):
 
     def setting(flag, text):                 # None: filled in from CPU_SETTINGS or --paper
         key = flag[2:].replace("-", "_")
-        a(flag, type=int, default=None,
+        a(flag, type=data.int_flag(2 if flag == "--repeats" else 1), default=None,
           help=f"{text} (default {CPU_SETTINGS[key]}; --paper: {PAPER_SETTINGS[key]})")
     setting("--sentences", "masked sentences per checkpoint")
     setting("--samples", "labels ỹ drawn from the model per sentence")
@@ -587,11 +588,11 @@ def parse_args(argv=None):
     setting("--hvp-sentences", "sentences (the first of the above) for eigenvalues, SAM, gap")
     setting("--eig-iters", "Lanczos iterations (HVPs) for the extreme Hessian eigenvalues")
     a("--paper", action="store_true", help="App. B.2's sizes (a GPU job); explicit flags win")
-    a("--fisher-gap", type=int, default=0,
+    a("--fisher-gap", type=data.int_flag(0), default=0,
       help="also report Tr[∇²L] - Tr[G] against the true conditional with this many "
            "Rademacher probes (fisher_gap); 0 = off")
     a("--device", default="cpu", help="cpu (default) or cuda")
-    a("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    a("--threads", type=train.COUNT, default=1, help="torch CPU threads (default 1)")
     a("--sgd-demo", action="store_true", help="run Theorem 3.3's demonstration instead")
     args = p.parse_args(argv)
     for key, value in (PAPER_SETTINGS if args.paper else CPU_SETTINGS).items():
@@ -605,6 +606,8 @@ def parse_args(argv=None):
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         bad.append("--device cuda asked for, but torch.cuda.is_available() is False")
     bad += train.missing_checkpoints(args.checkpoints)
+    bad += [m for folder in sorted({os.path.dirname(c) for c in args.checkpoints})
+            for m in [data.unwritable(os.path.join(folder, "hessian.jsonl"), "the output")] if m]
     if bad:
         p.error("; ".join(bad))
     return args
@@ -621,20 +624,20 @@ def main(argv=None):
         print(f"Tr[∇²L] {rows[0][2]:.3f} -> {rows[-1][2]:.3f} while |loss - entropy| <= "
               f"{max(abs(r[1]) for r in rows):.3f} nats (O(lr) fluctuation around the manifold)")
         return
-    try:                                   # every file checked before anything is written
-        for path in args.checkpoints:
-            train.read_checkpoint(path)
+    try:
+        for path in args.checkpoints:      # every file checked before anything is written
+            train.load_checkpoint(path)
+        for i, path in enumerate(args.checkpoints):
+            print(f"[{i + 1}/{len(args.checkpoints)}] {path}: {args.sentences} sentences × "
+                  f"{args.samples} samples × {args.repeats} repeats on {args.device}",
+                  file=sys.stderr, flush=True)
+            row = measure_checkpoint(path, args)
+            if row is not None:
+                print(json.dumps(row), flush=True)
+                with open(Path(path).parent / "hessian.jsonl", "a") as f:
+                    f.write(json.dumps(row) + "\n")
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"hessian.py: error: {e}")
-    for i, path in enumerate(args.checkpoints):
-        print(f"[{i + 1}/{len(args.checkpoints)}] {path}: {args.sentences} sentences × "
-              f"{args.samples} samples × {args.repeats} repeats on {args.device}",
-              file=sys.stderr, flush=True)
-        row = measure_checkpoint(path, args)
-        if row is not None:
-            print(json.dumps(row), flush=True)
-            with open(Path(path).parent / "hessian.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ Interface (used by train.py, hessian.py, probe.py):
     big = grow(net, width=2, extra_layers=1)   # same logits, 2x heads/width, one more block
 
 Reading order: ModelConfig and PRESETS (the sizes), attention and the transformer's blocks, the
-LSTM, grow; then the plumbing (the fused attention the model runs, initialisation, padding mask,
+LSTM, grow; then the plumbing (the fused attention of FUSED_ATTENTION, initialisation, padding mask,
 presets, the --check-grow table).
 """
 import argparse
@@ -25,6 +25,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 HEAD_DIM = 64  # App. B.1.2, following BERT: every attention head has dimension 64
+# The switch between attention() (False: the plain form, what a student writes) and PyTorch's
+# fused kernel (True: fast_attention, for GPU runs). Attention dropout always takes the fused one.
+FUSED_ATTENTION = False
 LN_EPS = 1e-5  # LayerNorm eps (PyTorch's default); grow()'s post-LN depth construction uses it
 ARCHS = ("transformer", "lstm")
 LNS = ("post", "pre")
@@ -103,8 +106,8 @@ def attention(q, k, v, keep):
 
     so that no position reads a padded one. q, k, v: [B, n_heads, T, d_head] (each head's
     queries, keys, values); keep: [B, T] bool, True at real tokens (at least one per row).
-    Returns [B, n_heads, T, d_head]. The model runs the same through PyTorch's fused kernel
-    (fast_attention, in the plumbing)."""
+    Returns [B, n_heads, T, d_head], in q's dtype and device. SelfAttention runs this form;
+    FUSED_ATTENTION = True runs PyTorch's fused kernel instead (fast_attention, tested equal)."""
     # BEGIN EXERCISE attention
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, nh, T, T)
     scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
@@ -129,7 +132,9 @@ class SelfAttention(nn.Module):
         q, k, v = self.qkv(h).split(d, dim=2)
         q, k, v = (x.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
                    for x in (q, k, v))  # (B, nh, T, hd)
-        y = fast_attention(q, k, v, keep, self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        y = (fast_attention(q, k, v, keep, dropout) if FUSED_ATTENTION or dropout
+             else attention(q, k, v, keep))
         y = y.transpose(1, 2).reshape(B, T, d)  # heads side by side
         return self.resid_drop(self.proj(y))
 
@@ -355,8 +360,8 @@ def _deepen_post_ln(state, n_layers, extra_layers, s=0.5):
 # ==================================================================================================
 
 def fast_attention(q, k, v, keep, dropout=0.0):
-    """attention() through PyTorch's fused kernel (plus attention dropout while training): the
-    route the model takes, held equal to the plain form by the tests."""
+    """attention() through PyTorch's fused kernel (plus attention dropout while training), taken
+    when FUSED_ATTENTION is True or dropout > 0; held equal to the plain form by the tests."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :],
                                           dropout_p=dropout)
 

@@ -24,6 +24,7 @@ import argparse
 import copy
 import csv
 import fnmatch
+import glob
 import importlib.util
 import json
 import math
@@ -331,14 +332,17 @@ def summary_table(run_dirs, min_step=0):
     missing values are None. Mixed languages or settings are refused (naming the run)."""
     rows, settings, seen = [], [], {}
     for run in run_dirs:
-        if not os.path.isdir(run):
-            raise ValueError(f"{run} is not a run directory (runs/NAME with metrics.jsonl)")
+        if not os.path.isfile(os.path.join(run, "metrics.jsonl")):
+            inside = sorted(glob.glob(os.path.join(run, "*", "metrics.jsonl")))
+            raise ValueError(f"{run} is not a run directory (runs/NAME with metrics.jsonl)" + (
+                f"; it holds {len(inside)} runs: name them, e.g. {os.path.join(run, '*')}"
+                if inside else ""))
         name = os.path.basename(os.path.normpath(run))
         config = os.path.join(run, "config.json")
         try:
             with open(config) as f:
                 language = json.load(f)["language"]
-            _check_same(seen, "config.json", name, {"language": language})
+            _check_same(seen, "config.json", name, {"language": language}, config)
         except FileNotFoundError:
             pass
         except (json.JSONDecodeError, KeyError, TypeError):
@@ -347,14 +351,15 @@ def summary_table(run_dirs, min_step=0):
                  if "eval_loss" in r}
         hess = {r["step"]: r for r in read_jsonl(os.path.join(run, "hessian.jsonl"))}
         for r in hess.values():
-            _check_same(seen, "hessian.py settings", name, {k: r.get(k) for k in HESSIAN_SETTINGS})
+            _check_same(seen, "hessian.py settings", name,
+                        {k: r.get(k) for k in HESSIAN_SETTINGS}, os.path.join(run, "hessian.jsonl"))
         probes = {}
         for r in read_jsonl(os.path.join(run, "probe.jsonl"), ("step", "method", "task")):
             setting = f"{r['method']}_{r['task']}"
             if r["method"] != "finetune" and "projection" in r and r["projection"] is None:
                 setting += "_noproj"                  # a different probe: its own column
             _check_same(seen, f"probe.py {setting} settings", name,
-                        {k: r.get(k) for k in PROBE_SETTINGS})
+                        {k: r.get(k) for k in PROBE_SETTINGS}, os.path.join(run, "probe.jsonl"))
             settings += [] if setting in settings else [setting]
             probes.setdefault(r["step"], {})[setting] = r
         steps = sorted(s for s in set(hess) | set(probes) if s >= min_step)
@@ -380,14 +385,16 @@ def summary_table(run_dirs, min_step=0):
     return columns, [row for row, _ in rows]
 
 
-def _check_same(seen, what, run, settings):
-    """Refuse a run whose `what` (a dict) differ from the first run's: a silently mixed table."""
+def _check_same(seen, what, run, settings, source):
+    """Refuse a run whose `what` (a dict, read from file `source`) differ from the first run's:
+    a silently mixed table; the message says which file to mend."""
     first_run, first = seen.setdefault(what, (run, settings))
     diff = [f"{k} differs" if len(repr(v)) > 40 else f"{k} {v!r} vs {first[k]!r}"
             for k, v in settings.items() if v != first[k]]
     if diff:
-        raise ValueError(f"{run} and {first_run} differ in {what} ({', '.join(diff)}): their rows "
-                         f"are not comparable")
+        who = f"{run} and {first_run} differ" if run != first_run else f"{run}'s rows differ"
+        raise ValueError(f"{who} in {what} ({', '.join(diff)}): not comparable; summarise them "
+                         f"apart, or delete the rows of the other setting from {source}")
 
 
 def _finite(v):
@@ -538,6 +545,7 @@ def print_summary(columns, table, csv_path=None, comparisons=()):
         print("\n".join(lines))
         pairs += [p for p in found if p[3] is not None]          # matched by KL: for --plot
     if csv_path:
+        os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
         with open(csv_path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=columns)
             w.writeheader()
@@ -574,6 +582,7 @@ def plot_summary(table, path, pairs=()):
     axes[3].set(xlabel="Tr[H] (Fisher)", ylabel=acc)
     axes[3].legend(fontsize=7)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"wrote {path}")
@@ -604,6 +613,7 @@ def plot_pairs(table, pairs, acc, path, plt):
                  "(solid: matched)")
     ax.title.set_fontsize(8)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     print(f"wrote {path}")
@@ -621,34 +631,35 @@ def parse_args(argv=None):
     a("--summary", action="store_true", help="one table of the runs' rows, with R² per group")
     a("--compare", nargs=2, action="append", default=[], metavar=("A", "B"), help="with "
       "--summary: accuracy B - A per training seed; GROUP@STEP, STEP a number or last (B: or kl)")
-    a("--min-step", type=int, default=0, help="with --summary: only checkpoints at steps >= this")
+    a("--min-step", type=data.int_flag(0), default=0, help="with --summary: only checkpoints at steps >= this")
     a("--csv", help="with --summary: also write the table to this CSV file")
     a("--plot", help="with --summary: draw the figures to this PNG (needs matplotlib; with "
       "--compare A B@kl: accuracy against KL, pairs joined)")
     a("--task", help="downstream task (PCFG: A, B, C; HMM: k, e.g. 6; default: the first)")
     a("--method", choices=["linear", "finetune", "onehot"], default="linear", help="linear "
       "probe (default), fine-tuning (App. A.4), or the linear probe on one-hot words: no model")
-    a("--n-train", type=int, default=N_TRAIN, help=f"training examples (default {N_TRAIN})")
-    a("--n-test", type=int, default=N_TEST, help=f"held-out test examples (default {N_TEST})")
-    a("--seeds", type=int, default=N_SEEDS, help=f"probe seeds 0..N-1 (default {N_SEEDS})")
+    a("--n-train", type=train.COUNT, default=N_TRAIN, help=f"training examples (default {N_TRAIN})")
+    a("--n-test", type=train.COUNT, default=N_TEST, help=f"held-out test examples (default {N_TEST})")
+    a("--seeds", type=train.COUNT, default=N_SEEDS, help=f"probe seeds 0..N-1 (default {N_SEEDS})")
     a("--no-projection", action="store_true", help="no 512-d projection (as the authors' code)")
-    a("--epochs", type=int, help=f"default {LINEAR_EPOCHS} (linear), {FT_EPOCHS} (fine-tuning)")
+    a("--epochs", type=train.COUNT, help=f"default {LINEAR_EPOCHS} (linear), {FT_EPOCHS} (fine-tuning)")
     a("--device", default="cpu", help="cpu (default) or cuda")
-    a("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    a("--threads", type=train.COUNT, default=1, help="torch CPU threads (default 1)")
     args = p.parse_args(argv)
     bad = [f"--{k.replace('_', '-')} must be >= 1 (got {getattr(args, k)})"
            for k in ("threads", "seeds", "epochs", "n_train", "n_test")
            if getattr(args, k) is not None and getattr(args, k) < 1]
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         bad.append("--device cuda asked for, but torch.cuda.is_available() is False")
-    for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
-        if path and (os.path.isdir(path) or not os.path.isdir(os.path.dirname(path) or ".")):
-            bad.append(f"{flag} {path}: must be a file in an existing folder")
+    bad += [m for flag, path in (("--csv", args.csv), ("--plot", args.plot))
+            for m in [path and data.unwritable(path, flag)] if m]
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         bad.append("--plot needs matplotlib, which is not installed: pip install matplotlib")
     if not args.summary and (args.compare or args.plot or args.csv):
         bad.append("--compare, --plot and --csv go with --summary RUN_DIR ...")
-    bad += [] if args.summary else train.missing_checkpoints(args.paths)
+    bad += [] if args.summary else train.missing_checkpoints(args.paths) + [
+        m for folder in sorted({os.path.dirname(c) for c in args.paths})
+        for m in [data.unwritable(os.path.join(folder, "probe.jsonl"), "the output")] if m]
     if bad:
         p.error("; ".join(bad))
     return args

@@ -865,11 +865,12 @@ def test_data_cli_writes_reloadable_dataset(tmp_path, capsys):
      "--rules: cannot read rule file '{tmp}/missing.txt': No such file"),
     (["pcfg", "--rules", "{tmp}/bad.txt"], "{tmp}/bad.txt, line 3: expected 'LHS RHS1 [RHS2]"),
     (["hmm", "--rules", "{tmp}/bad.txt"], "--rules: a rule file gives a pcfg, not hmm"),
-    (["pcfg", "--out", "{tmp}/no/such/dir/a.pt"],
-     "--out {tmp}/no/such/dir/a.pt: not a file in an existing folder"),
-    (["pcfg", "--out", "{tmp}"], "--out {tmp}: not a file in an existing folder"),
-    (["pcfg", "--n", "0"], "--n must be >= 1 (got 0)"),
-    (["hmm", "--seed", "-1"], "--seed must be in 0..4294967295"),
+    (["pcfg", "--out", "{tmp}/bad.txt/a.pt"],
+     "--out {tmp}/bad.txt/a.pt cannot be created: {tmp}/bad.txt is a file"),
+    (["pcfg", "--out", "{tmp}"], "--out {tmp} is a folder; it must be a file"),
+    (["pcfg", "--n", "0"], "argument --n: must be >= 1 (got 0)"),
+    (["hmm", "--seed", "-1"], "argument --seed: must be in 0..4294967295 (got -1)"),
+    (["hmm", "--seed", "1.5"], "argument --seed: expected an integer, got '1.5'"),
 ])
 def test_data_cli_errors_are_one_line_before_sampling(argv, message, tmp_path, capsys, monkeypatch):
     (tmp_path / "bad.txt").write_text("S X Y 1.0\n# a comment\nX cat\nY dog 1.0\n")
@@ -1133,8 +1134,8 @@ def test_model_attention_equals_loops_over_heads_and_queries():
 
 @exercise("attention")
 @pytest.mark.parametrize("ln", ["pre", "post"])
-def test_model_attention_is_the_models_fused_attention(ln):
-    """The plain form equals the fused kernel the model runs (fast_attention), inside a block."""
+def test_model_attention_is_the_models_fused_attention(ln, monkeypatch):
+    """The block runs the plain form; FUSED_ATTENTION's fused kernel gives the same."""
     net = _model_randomise(model.build(_model_config("transformer", ln)), seed=5)
     attn, tokens = net.blocks[0].attn, _model_tokens()[0]
     keep = tokens != _MODEL_PAD
@@ -1144,6 +1145,8 @@ def test_model_attention_is_the_models_fused_attention(ln):
     torch.testing.assert_close(plain, attn(h, keep), rtol=0, atol=1e-12)
     torch.testing.assert_close(model.attention(q, k, v, keep),
                                model.fast_attention(q, k, v, keep), rtol=0, atol=1e-12)
+    monkeypatch.setattr(model, "FUSED_ATTENTION", True)
+    torch.testing.assert_close(plain, attn(h, keep), rtol=0, atol=1e-12)
 
 
 def _model_reference_attention(attn, h, keep):
@@ -1278,7 +1281,7 @@ def test_train_resume_equals_uninterrupted(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real_lr_at(i, args)
     monkeypatch.setattr(train, "lr_at", interrupt)
-    with pytest.raises(SystemExit, match="interrupted after step 26"):
+    with pytest.raises(SystemExit, match="saved step 26 in"):
         train.train(train.parse_args(_train_args(tmp_path, *common, name="cut")))
     monkeypatch.setattr(train, "lr_at", real_lr_at)
     cut = os.path.join(tmp_path, "cut")
@@ -1473,9 +1476,14 @@ def test_train_checkpoint_is_self_contained(tmp_path):
 @pytest.mark.parametrize("extra, message", [
     (("--preset", "nope"), "unknown preset"),
     (("--lang", "klingon"), "unknown language"),
-    (("--batch", 0), "--batch must be >= 1"),
+    (("--batch", 0), "argument --batch: must be >= 1 (got 0)"),
+    (("--seed", -1), "argument --seed: must be in 0..4294967295 (got -1)"),
+    (("--lang-seed", -1), "argument --lang-seed: must be in 0..4294967295 (got -1)"),
+    (("--name", ""), "--name '' must name one folder"),
+    (("--name", "a/b"), "--name 'a/b' must name one folder"),
+    (("--runs", "{tmp}/file/runs"), "--runs {tmp}/file/runs cannot be created: {tmp}/file is a"),
     (("--algo", "adversarial", "--adv-pool", 10), "at most --adv-pool (10)"),
-    (("--algo", "adversarial", "--adv-n1", 1), "--adv-n1 and --adv-n2 must be >= 2"),
+    (("--algo", "adversarial", "--adv-n1", 1), "argument --adv-n1: must be >= 2 (got 1)"),
     (("--algo", "adversarial", "--task", "Z"), "unknown --task"),
     (("--mask-rate", 1.5), "--mask-rate must be"),
     (("--weight-decay", -1), "--weight-decay must be a finite number >= 0"),
@@ -1487,20 +1495,26 @@ def test_train_checkpoint_is_self_contained(tmp_path):
     (("--branch-from", "missing.pt", "--decay-steps", 5), "no checkpoint file missing.pt"),
     (("--resume",), "no checkpoint in"),
     (("--device", "cuda"), "torch.cuda.is_available"),
-    (("--n-layers", 0), "--n-layers must be >= 1"),
+    (("--n-layers", 0), "argument --n-layers: must be >= 1 (got 0)"),
     (("--n-heads", 2), "--n-heads does not apply to preset 'lstm-62k', a lstm"),
     (("--preset", "tf-2m", "--lstm-hidden", 8), "--lstm-hidden does not apply"),
 ])
-def test_train_bad_flags_are_refused(tmp_path, extra, message):
+def test_train_bad_flags_are_refused(tmp_path, capsys, extra, message):
+    """A usage error (argparse's, on stderr) or train.py's own one line; nothing written."""
     if extra[0] == "--device" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
+    (tmp_path / "file").write_text("")
+    extra = [str(x).format(tmp=tmp_path) for x in extra]
     args = _train_args(tmp_path, *extra, name="bad")
-    if extra[0] == "--lang":
-        args[args.index("--lang") + 1] = extra[1]
-    with pytest.raises(SystemExit, match=re.escape(message)):
+    for flag in ("--lang", "--name", "--runs"):                 # the given one wins
+        if extra[0] == flag:
+            args[args.index(flag) + 1] = extra[1]
+    with pytest.raises(SystemExit) as e:
         train.train(train.parse_args(args))
-    assert not train.list_checkpoints(os.path.join(tmp_path, "bad"))
-    assert not os.path.exists(os.path.join(tmp_path, "bad"))          # stopped before writing
+    said = f"{e.value.code}\n{capsys.readouterr().err}"
+    assert message.format(tmp=tmp_path) in said, said
+    made = sorted(set(os.listdir(tmp_path)) - {"file", "tiny_hmm.json"})   # the test's own
+    assert made == [], made                                            # stopped before writing
 
 
 def test_train_runs_must_be_a_folder(tmp_path):
@@ -1569,6 +1583,190 @@ def test_train_damaged_checkpoint_is_named(train_finished_run, tmp_path):
     with pytest.raises(SystemExit, match="--grow-from: .*damaged.pt: a damaged") as e:
         train.train(train.parse_args(["--grow-from", path, "--runs", str(tmp_path / "runs")]))
     assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "runs")
+
+
+# ----------------------------------------------------------- bad input, where it enters
+
+def _parsers_of_every_script(monkeypatch):
+    """The argparse parsers of data.py, train.py, hessian.py and probe.py, caught at parse."""
+    import argparse
+    caught = []
+
+    def catch(self, args=None, namespace=None):
+        caught.append(self)
+        raise SystemExit(0)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+    for parse in (data.main, train.parse_args, hessian.parse_args, probe.parse_args):
+        with pytest.raises(SystemExit):
+            parse([])
+    return caught
+
+
+def test_every_integer_flag_has_a_range(monkeypatch):
+    """No integer flag takes a bare int: -1 and 2^64 are refused where they enter (argparse)."""
+    import argparse
+    parsers = _parsers_of_every_script(monkeypatch)
+    assert len(parsers) == 4
+    n_checked = 0
+    for p in parsers:
+        for act in p._actions:
+            where = f"{p.prog} {'/'.join(act.option_strings)}"
+            assert act.type is not int, f"{where}: an integer flag with no range (data.int_flag)"
+            if getattr(act.type, "__name__", "") == "integer":
+                n_checked += 1
+                for bad in ("-1", "x") + ((str(2**64),) if where.endswith("seed") else ()):
+                    with pytest.raises(argparse.ArgumentTypeError):
+                        act.type(bad)
+                        pytest.fail(f"{where} accepted {bad}")
+    assert n_checked >= 30, n_checked
+
+
+def test_unwritable_outputs_are_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    """A folder that exists but cannot be written: every script's output check says so."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(locked)
+                        else real_access(p, mode))
+    assert data.unwritable(str(locked / "a.pt"), "--out") == \
+        f"--out {locked / 'a.pt'} cannot be written: {locked} is not writable"
+    assert data.unwritable(str(locked / "x" / "y"), "--runs", folder=True).endswith(
+        f"{locked} is not writable")
+    assert data.unwritable(str(tmp_path / "new" / "a.pt"), "--out") is None    # created later
+    with pytest.raises(SystemExit):
+        data.main(["hmm", "--n", "2", "--out", str(locked / "a.pt")])
+    assert "is not writable" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--runs .*locked.* is not writable"):
+        train.train(train.parse_args(_train_args(tmp_path, "--runs", str(locked / "runs"))))
+    assert os.listdir(locked) == []
+
+
+def test_data_out_never_overwrites_a_file_it_did_not_write(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt_0000001.pt"
+    torch.save({"kind": "mlm", "step": 1}, ckpt)
+    before = ckpt.read_bytes()
+    with pytest.raises(SystemExit):
+        data.main(["hmm", "--n", "2", "--out", str(ckpt)])
+    assert "exists and is not a data.py file" in capsys.readouterr().err.splitlines()[-1]
+    assert ckpt.read_bytes() == before
+    out = tmp_path / "deeper" / "d.pt"                   # a new folder is made; a rerun may
+    data.main(["hmm", "--n", "2", "--out", str(out)])   # overwrite its own data file
+    data.main(["hmm", "--n", "3", "--out", str(out)])
+    assert len(torch.load(out, weights_only=True)["tokens"]) == 3
+
+
+def test_data_cli_runs_on_one_thread(tmp_path):
+    torch.set_num_threads(2)
+    data.main(["hmm", "--n", "2", "--out", str(tmp_path / "a.pt")])
+    assert torch.get_num_threads() == 1
+
+
+def test_data_rule_file_with_an_unreachable_symbol_is_named():
+    with pytest.warns(UserWarning, match="x.txt: no derivation from the start symbol reaches Z$"):
+        data.parse_rules("S A A 1.0\nA a 1.0\nZ z 1.0\n", "x.txt")
+
+
+def test_messages_are_whole_lines():
+    long = "the rules of symbol 7 (NP) sum to 2, off by +1 (tol 0.01); " * 3
+    assert train.first_line(ValueError(long + "\nsecond line")) == long
+
+
+def test_grammar_that_never_terminates_is_one_line_everywhere(tmp_path, capsys):
+    """S -> S S (0.9999) | a: almost every tree is longer than max_len."""
+    rules = tmp_path / "r.txt"
+    rules.write_text("S S S 0.9999\nS a 0.0001\n")
+    with pytest.raises(SystemExit):
+        data.main(["pcfg", "--rules", str(rules), "--n", "5", "--out", str(tmp_path / "a.pt")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "error: pcfg: fewer than 0.1% of sampled sentences" in err[-1]
+    spec = tmp_path / "never.json"
+    spec.write_text(json.dumps(data.PCFG(**data.parse_rules(rules.read_text())).spec()))
+    with pytest.raises(SystemExit, match="train.py: error: fewer than 0.1%") as e:
+        train.main(["--lang", str(spec), "--runs", str(tmp_path / "runs"), "--eval-n", "5"])
+    assert "\n" not in str(e.value.code)
+
+
+def test_metrics_cut_mid_line_resume_with_a_note(tmp_path, monkeypatch, capsys):
+    real_lr_at = train.lr_at
+    monkeypatch.setattr(train, "lr_at", lambda i, args: (_ for _ in ()).throw(KeyboardInterrupt)
+                        if i == 3 else real_lr_at(i, args))
+    common = ("--steps", 4, "--eval-every", 2, "--log-every", 1, "--ckpt-every", 2)
+    with pytest.raises(SystemExit, match="saved step 3"):
+        train.train(train.parse_args(_train_args(tmp_path, *common, name="cut")))
+    monkeypatch.setattr(train, "lr_at", real_lr_at)
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    rows = metrics.read_text()
+    metrics.write_text(rows + '{"step": 4, "lo')                       # killed mid-write
+    capsys.readouterr()
+    train.main(["--runs", str(tmp_path), "--name", "cut", "--resume"])
+    assert f"{metrics}: dropped its half-written last line" in capsys.readouterr().err
+    steps = [json.loads(r)["step"] for r in metrics.read_text().splitlines()]
+    assert steps == [1, 2, 3, 4], steps
+    metrics.write_text('{"step": 1}\n{"st\n{"step": 2}\n')              # broken inside: refused
+    with pytest.raises(SystemExit, match=re.escape(f"{metrics}, line 2: not a JSON row")):
+        train.truncate_metrics(str(metrics), 4)
+
+
+def test_checkpoint_of_another_language_in_a_run_folder_is_refused(tmp_path, capsys):
+    """A run's metrics and the checkpoints beside them must be of one language."""
+    run = train.train(train.parse_args(_train_args(tmp_path, "--algo", "lookup", name="a")))
+    other = data.HMM.random(n_states=6, vocab_size=10, n_blocks=2, length=6, seed=1)
+    stray = _probe_lookup_ckpt(Path(run), other, "ckpt_0000005.pt")
+    for main, argv in ((probe.main, [stray, *_PROBE_CLI_SMALL]), (hessian.main, [stray])):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert "its language differs from that of its run folder" in str(e.value.code)
+    assert sorted(os.listdir(run)) == ["ckpt_0000000.pt", "ckpt_0000005.pt", "config.json",
+                                       "metrics.jsonl"]
+
+
+def test_hessian_cli_damaged_checkpoint_is_one_line(train_finished_run, tmp_path):
+    ckpt = torch.load(os.path.join(train_finished_run[0], "a", "ckpt_0000004.pt"),
+                      weights_only=True)
+    ckpt["model"]["encoder.weight"] = torch.zeros(3, 3)          # one weight of the wrong shape
+    path = str(tmp_path / "ckpt_0000004.pt")
+    torch.save(ckpt, path)
+    with pytest.raises(SystemExit) as e:
+        hessian.main([path])
+    assert "ckpt_0000004.pt: a damaged train.py checkpoint" in str(e.value.code)
+    assert "\n" not in str(e.value.code) and not (tmp_path / "hessian.jsonl").exists()
+
+
+_TWO_SIGNALS = r"""
+import os, signal, subprocess, sys, time
+gap, runs, lang = float(sys.argv[1]), sys.argv[2], sys.argv[3]
+p = subprocess.Popen([sys.executable, "train.py", "--lang", lang, "--batch", "32", "--eval-n",
+                      "50", "--runs", runs, "--name", "x", "--steps", "100000", "--log-every", "1",
+                      "--eval-every", "100000", "--ckpt-every", "100000"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+while not p.stdout.readline().startswith("step "):     # the training loop has begun
+    pass
+p.send_signal(signal.SIGINT)
+time.sleep(gap)
+p.send_signal(signal.SIGINT)
+out, err = p.communicate()
+print(p.returncode)
+print(err.strip().splitlines()[-1] if err.strip() else "")
+print("Traceback" in err)
+"""
+
+
+def test_train_two_quick_ctrl_c_lose_nothing(tmp_path):
+    """Two SIGINTs 0, 5 and 50 ms apart: the checkpoint is saved whole and named, no traceback,
+    no .tmp left, and the run resumes from it."""
+    import subprocess
+    lang = _train_tiny_lang(tmp_path)
+    procs = {gap: subprocess.Popen([sys.executable, "-c", _TWO_SIGNALS, str(gap),
+                                    str(tmp_path / f"g{gap}"), lang], text=True,
+                                   stdout=subprocess.PIPE, cwd=Path(__file__).parent)
+             for gap in (0.0, 0.005, 0.05)}
+    for gap, p in procs.items():
+        code, last, traceback = p.communicate(timeout=120)[0].splitlines()
+        run = tmp_path / f"g{gap}" / "x"
+        saved = re.search(r"interrupted; saved step (\d+) in (\S+);", last)
+        assert code == "1" and saved and traceback == "False", (gap, code, last, traceback)
+        assert os.path.isfile(saved[2]) and not list(run.glob("*.tmp")), (gap, os.listdir(run))
+        assert train.read_checkpoint(saved[2])["step"] == int(saved[1]) >= 1
 
 
 def _train_finished_run(runs):
@@ -2096,7 +2294,7 @@ def test_train_grow_from_resume_equals_uninterrupted(train_grown_runs, monkeypat
     assert [r["step"] for r in _train_rows(full) if "kl" in r] == [0, 2, 4]
     real_lr_at = train.lr_at
     monkeypatch.setattr(train, "lr_at", lambda i, args: (_ for _ in ()).throw(KeyboardInterrupt))
-    with pytest.raises(SystemExit, match="interrupted after step 0"):
+    with pytest.raises(SystemExit, match="saved step 0 in"):
         train.train(train.parse_args(common + ["--name", "cut"]))
     monkeypatch.setattr(train, "lr_at", real_lr_at)
     cut = train.train(train.parse_args(common + ["--name", "cut", "--resume"]))
@@ -2121,14 +2319,17 @@ def test_train_grow_flags_that_conflict_are_usage_errors(train_grown_runs, tmp_p
 
 @pytest.mark.parametrize("argv, message", [
     (["--grow-from", "SRC", "--grow-layers", "1"], "not supported for an LSTM"),
-    (["--grow-from", "SRC", "--grow-width", "0"], "width must be an integer >= 1"),
+    (["--grow-from", "SRC", "--grow-width", "0"], "argument --grow-width: must be >= 1"),
     (["--grow-from", "SRC", "--algo", "lookup"], "--algo lookup has none"),
     (["--grow-from", "SRCx"], "no checkpoint file"),
 ])
-def test_train_grow_from_refuses_bad_arguments(train_grown_runs, tmp_path, argv, message):
+def test_train_grow_from_refuses_bad_arguments(train_grown_runs, tmp_path, capsys, argv,
+                                               message):
     argv = _train_with_lstm_source(argv, train_grown_runs)
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(SystemExit) as e:
         train.train(train.parse_args(argv + ["--runs", str(tmp_path)]))
+    said = f"{e.value.code}\n{capsys.readouterr().err}"
+    assert message in said, said
 
 
 def test_train_grow_from_a_lookup_table_is_refused(tmp_path):
@@ -3007,7 +3208,11 @@ def test_probe_compare_refuses_what_is_not_in_the_table(tmp_path, a, b, message)
 @pytest.mark.parametrize("names, message", [
     (["a", "b"], "b and a differ in config.json (language {'kind': 'other'} vs {'kind': 'L'})"),
     (["a", "c"], "c and a differ in probe.py linear_C settings (n_train 20 vs 10)"),
-    (["a", "empty"], "has no hessian.jsonl or probe.jsonl rows"),
+    (["a", "empty"], "empty is not a run directory (runs/NAME with metrics.jsonl)"),
+    (["a", "unmeasured"], "has no hessian.jsonl or probe.jsonl rows"),
+    (["."], "it holds 8 runs: name them, e.g. "),
+    (["reprobed"], "reprobed's rows differ in probe.py linear_C settings (n_train 20 vs 10)"
+     ": not comparable; summarise them apart, or delete the rows of the other setting from "),
     (["nope"], "not a run directory"),
     (["a", "broken"], "probe.jsonl, line 2: not JSON"),
     (["a", "rowless"], "hessian.jsonl, line 1: not a row with step"),
@@ -3020,6 +3225,11 @@ def test_probe_summary_refuses_mixed_or_bad_runs(tmp_path, names, message):
     _probe_run_dir(tmp_path, "b", [1], [1.0], [0.5], language="other")
     _probe_run_dir(tmp_path, "c", [1], [1.0], [0.5], n_train=20)
     (tmp_path / "empty").mkdir()
+    (Path(_probe_run_dir(tmp_path, "unmeasured", [1], [1.0], [0.5])) / "probe.jsonl").unlink()
+    (Path(tmp_path / "unmeasured") / "hessian.jsonl").unlink()
+    reprobed = Path(_probe_run_dir(tmp_path, "reprobed", [1], [1.0], [0.5])) / "probe.jsonl"
+    row = json.loads(reprobed.read_text())
+    reprobed.write_text(reprobed.read_text() + json.dumps({**row, "step": 2, "n_train": 20}))
     with open(Path(_probe_run_dir(tmp_path, "broken", [1], [1.0], [0.5])) / "probe.jsonl",
               "a") as f:
         f.write('{"step": 2, "task"\n')
@@ -3027,8 +3237,10 @@ def test_probe_summary_refuses_mixed_or_bad_runs(tmp_path, names, message):
         "[1, 2]\n")
     (Path(_probe_run_dir(tmp_path, "noconfig", [1], [1.0], [0.5])) / "config.json").write_text(
         "{}")
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
         probe.summary_table([str(tmp_path / name) for name in names])
+    if names[0] == ".":                  # a folder of runs: the message shows how to name them
+        assert os.path.join(str(tmp_path / "."), "*") in str(e.value)
 
 
 def test_probe_summary_plot(tmp_path):
@@ -3162,9 +3374,9 @@ def test_probe_cli_prints_the_row_without_per_sentence_counts(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--summary", "RUN", "--csv", "TMP"], "must be a file in an existing folder"),  # a folder
+    (["--summary", "RUN", "--csv", "TMP"], "is a folder; it must be a file"),
     (["CKPT", "--compare", "a@1", "b@1"], "--compare, --plot and --csv go with --summary"),
-    (["CKPT", *_PROBE_CLI_SMALL, "--threads", "0"], "--threads must be >= 1 (got 0)"),
+    (["CKPT", *_PROBE_CLI_SMALL, "--threads", "0"], "argument --threads: must be >= 1 (got 0)"),
 ])
 def test_probe_cli_usage_errors(tmp_path, capsys, argv, message):
     """RUN: a run directory, CKPT: a lookup-table checkpoint, TMP: the folder holding both."""
@@ -3792,6 +4004,7 @@ def test_handout_student_copy_compiles_and_keeps_markers(tmp_path):
 @pytest.mark.parametrize("edits, argv, message", [
     ([], ["nope"], "unknown exercise 'nope'"),
     ([], ["--nonempty"], "exists and is not an empty folder"),
+    ([], ["--under-a-file"], "class cannot be created: "),
     ([("    # END EXERCISE mask\n", "")], [], "inside exercise mask (no END before it)"),
     ([("    # BEGIN EXERCISE mask\n", "")], [], "END EXERCISE mask without its BEGIN"),
     ([("EXERCISE mask\n", "EXERCISE mask requires ghost\n")], [],
@@ -3812,7 +4025,10 @@ def test_handout_refuses_bad_markers_and_arguments(tmp_path, edits, argv, messag
     if argv == ["--nonempty"]:
         out.mkdir()
         (out / "x").write_text("")
+    if argv == ["--under-a-file"]:
+        (tmp_path / "file").write_text("")
+        out = tmp_path / "file" / "class"
     with pytest.raises(handout.HandoutError, match=re.escape(message)):
-        handout.write_handout(str(out), [a for a in argv if a != "--nonempty"] or ["mask"],
+        handout.write_handout(str(out), [a for a in argv if not a.startswith("--")] or ["mask"],
                               root=str(root))
     assert not out.exists() or os.listdir(out) == ["x"]

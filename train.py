@@ -329,8 +329,9 @@ def train(args):
         except KeyboardInterrupt:                     # lose nothing beyond the last update
             if run.rank == 0 and not os.path.isfile(ckpt_path(run.dir, run.step)):
                 save(run)
-            raise SystemExit(f"train.py: interrupted after step {run.step}; continue it with: "
-                             f"python train.py --runs {args.runs} --name {args.name} --resume")
+            raise SystemExit(f"train.py: interrupted; saved step {run.step} in "
+                             f"{ckpt_path(run.dir, run.step)}; continue it with: python train.py "
+                             f"--runs {args.runs} --name {args.name} --resume")
         finally:
             if run.world > 1 and dist.is_initialized():
                 dist.destroy_process_group()
@@ -388,6 +389,9 @@ class ShortHelp(argparse.HelpFormatter):
         return {int: "N", float: "X"}.get(action.type, "S")
 
 
+COUNT, SEED = data.int_flag(1), data.int_flag(0, data.SEED_MAX)   # integer flags' ranges
+
+
 def parse_args(argv=None):
     """The run's arguments: the command line, or the checkpoint's (merge_stored)."""
     p = argparse.ArgumentParser(usage="python train.py [options]  (python -m pydoc train: more)",
@@ -395,45 +399,48 @@ def parse_args(argv=None):
                                 allow_abbrev=False)    # so that `given` sees every flag
     a = p.add_argument
     a("--lang", default="hmm-small", help=f"{', '.join(data.LANGUAGES)} or spec.json")
-    a("--lang-seed", type=int, default=0, help="seed of the random language (default 0)")
+    a("--lang-seed", type=SEED, default=0, help="seed of the random language (default 0)")
     a("--preset", default="lstm-62k", help="model size (python model.py lists them)")
-    a("--n-layers", type=int, help="override the preset's transformer blocks / LSTM layers")
-    a("--n-heads", type=int, help="override the preset's attention heads (d = head_dim * heads)")
-    a("--lstm-hidden", type=int, help="override the preset's LSTM size per direction (d = 2x)")
+    a("--n-layers", type=COUNT, help="override the preset's transformer blocks / LSTM layers")
+    a("--n-heads", type=COUNT, help="override the preset's attention heads (d = head_dim * heads)")
+    a("--lstm-hidden", type=COUNT, help="override the preset's LSTM size per direction (d = 2x)")
     a("--grow-from", metavar="CKPT", help="start from model.grow(CKPT's model) (App. B.1.3)")
-    a("--grow-width", type=int, default=2, help="with --grow-from: width factor (default 2)")
-    a("--grow-layers", type=int, default=0, help="with --grow-from: transformer blocks added")
+    a("--grow-width", type=COUNT, default=2, help="with --grow-from: width factor (default 2)")
+    a("--grow-layers", type=data.int_flag(0), default=0, help="with --grow-from: transformer blocks added")
     a("--algo", default="adamw", choices=ALGOS, metavar="S", help=f"{', '.join(ALGOS)}")
-    a("--steps", type=int, default=3000, help="updates (default 3000; --resume: extends)")
-    a("--batch", type=int, default=256, help="global batch in sentences, split over processes")
+    a("--steps", type=data.int_flag(0), default=3000, help="updates (default 3000; --resume: extends)")
+    a("--batch", type=COUNT, default=256, help="global batch in sentences, split over processes")
     a("--lr", type=float, default=1e-2, help="peak lr (default 1e-2; the paper's 1e-3)")
     a("--warmup", type=float, help="warm-up fraction of --steps (default 0.06; sgd 0.12)")
     a("--schedule", choices=("linear", "const"), metavar="S", help="after warm-up: linear to 0 "
       "or const (sgd's default)")
-    a("--decay-steps", type=int, default=0, help="const: the last N updates decay to lr 0")
+    a("--decay-steps", type=data.int_flag(0), default=0, help="const: the last N updates decay to lr 0")
     a("--branch-from", metavar="CKPT", help="a new run: CKPT's, lr to 0 over --decay-steps")
     a("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
     a("--mask-rate", type=float, help="mask this fraction of tokens (App. E: 0.15), not one")
     a("--task", help="adversarial: downstream task (default: the language's first)")
     a("--adv-lambda", type=float, default=0.03, help="adversarial: weight of -loss_D2")
-    a("--adv-pool", type=int, default=4096, help="adversarial: downstream sample size")
-    a("--adv-n1", type=int, default=256, help="adversarial: |D1| (head fitted on it) per step")
-    a("--adv-n2", type=int, default=256, help="adversarial: |D2| (head scored on it) per step")
-    a("--seed", type=int, default=0, help="training seed: init, data order, masks")
-    a("--eval-n", type=int, default=1000, help="eval sentences (each masked at every position)")
-    a("--eval-every", type=int, default=250, help="evaluate exactly every k steps")
-    a("--log-every", type=int, default=50, help="write a training metrics row every k steps")
-    a("--ckpt-every", type=int, default=500, help="checkpoint every k steps (and at the last)")
+    a("--adv-pool", type=data.int_flag(4), default=4096, help="adversarial: downstream sample size")
+    a("--adv-n1", type=data.int_flag(2), default=256, help="adversarial: |D1| (head fitted on it) per step")
+    a("--adv-n2", type=data.int_flag(2), default=256, help="adversarial: |D2| (head scored on it) per step")
+    a("--seed", type=SEED, default=0, help="training seed: init, data order, masks")
+    a("--eval-n", type=COUNT, default=1000, help="eval sentences (each masked at every position)")
+    a("--eval-every", type=COUNT, default=250, help="evaluate exactly every k steps")
+    a("--log-every", type=COUNT, default=50, help="write a training metrics row every k steps")
+    a("--ckpt-every", type=COUNT, default=500, help="checkpoint every k steps (and at the last)")
     a("--name", help="run name: runs/NAME/ (default LANG-PRESET-ALGO-sSEED)")
     a("--runs", default="runs", help="parent folder of run directories (default runs/)")
     a("--resume", nargs="?", const="latest", help="continue runs/NAME (or CKPT's run)")
     a("--device", default="cpu", help="cpu (default) or cuda (bf16 autocast)")
     a("--compile", action="store_true", help="torch.compile the model (GPU runs)")
-    a("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    a("--threads", type=COUNT, default=1, help="torch threads per process (default 1)")
     args = p.parse_args(argv)
     dest = {opt: act.dest for act in p._actions for opt in act.option_strings}
     given = {dest[f] for f in (str(t).split("=")[0] for t in (sys.argv[1:] if argv is None
                                                                  else argv)) if f in dest}
+    if args.name is not None and (args.name in ("", ".", "..") or os.sep in args.name
+                                  or "/" in args.name or "\0" in args.name):
+        p.error(f"--name {args.name!r} must name one folder (no '/', not empty, '.' or '..')")
     if args.resume is not None and args.branch_from is not None:
         p.error("--resume continues a run in its folder, --branch-from starts a new one: not both")
     if args.resume is not None or args.branch_from is not None:
@@ -489,8 +496,7 @@ def check_args(args):
     elif args.decay_steps and not 0 < args.decay_steps <= args.steps - args.warmup_steps:
         bad.append(f"--decay-steps {args.decay_steps} must be >= 1 and not overlap the warm-up: "
                    f"at most --steps minus the {args.warmup_steps} warm-up steps")
-    if os.path.exists(args.runs) and not os.path.isdir(args.runs):
-        bad.append(f"--runs {args.runs} is a file; it must be a folder (created if missing)")
+    bad += [m for m in [data.unwritable(args.runs, "--runs", folder=True)] if m]
     n1, n2 = args.adv_n1, args.adv_n2
     if args.algo == "adversarial" and (min(n1, n2) < 2 or n1 + n2 > args.adv_pool):
         bad.append(f"--adv-n1 and --adv-n2 must be >= 2, their sum ({n1} + {n2}) at most "
@@ -713,13 +719,27 @@ def append_row(run_dir, row):
 
 
 def truncate_metrics(path, step):
-    """Drop metric rows after `step`, logged by a run killed after its last checkpoint."""
-    if os.path.isfile(path):
-        with open(path) as f:
-            rows = [r for r in f if r.strip() and json.loads(r)["step"] <= step]
-        with open(path + ".tmp", "w") as f:
-            f.writelines(rows)
-        os.replace(path + ".tmp", path)
+    """Drop metric rows after `step`, logged by a run killed after its last checkpoint, and a
+    last line cut in half by the kill (with a note); any other broken line is an error."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = f.read().split("\n")
+    rows = []
+    for no, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            row = None
+            if any(rest.strip() for rest in lines[no:]):
+                raise SystemExit(f"train.py: {path}, line {no}: not a JSON row; delete that line "
+                                 f"to resume") from None
+            print(f"train.py: {path}: dropped its half-written last line", file=sys.stderr)
+        if isinstance(row, dict) and row.get("step", step + 1) <= step:
+            rows.append(json.dumps(row) + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(rows)
+    os.replace(path + ".tmp", path)
 
 
 def fmt_time(s):
@@ -729,26 +749,23 @@ def fmt_time(s):
 
 
 def first_line(e):
-    """The first line of an exception's message, at most 80 characters: one-line errors."""
-    return str(e).splitlines()[0][:80] if str(e) else ""
+    """The first line of an exception's message, whole: one-line errors."""
+    return str(e).splitlines()[0] if str(e) else ""
 
 
 @contextlib.contextmanager
 def deferred_interrupts():
     """Ctrl-C and SIGTERM (preemption) only set a flag (a list, yielded), checked between
-    updates, so that the checkpoint written on the way out holds whole updates."""
+    updates, so that the checkpoint written on the way out holds whole updates; later signals
+    are ignored, so none can cut that checkpoint, nor the exit after it, short."""
     stop = []
-
-    def on_signal(signum, frame):
-        if stop:                                  # a second Ctrl-C stops at once
-            raise KeyboardInterrupt
-        stop.append(signum)
-    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    old = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum))
+           for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield stop
     finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+        for sig, handler in old.items():      # interrupted: the process is on its way out
+            signal.signal(sig, signal.SIG_IGN if stop else handler)
 
 
 def stream_seed(seed, stream, *keys):
@@ -816,6 +833,15 @@ def read_checkpoint(path, device="cpu"):
     if not (isinstance(ckpt, dict) and need <= set(ckpt) and ckpt["kind"] in ("mlm", "lookup")):
         raise ValueError(f"{path} is not a train.py checkpoint (a dict with "
                          f"{', '.join(sorted(need))}; train.py writes runs/NAME/ckpt_*.pt)")
+    config = os.path.join(os.path.dirname(path), "config.json")
+    try:                       # a run's rows and its checkpoints must be of one language
+        with open(config) as f:
+            run_language = json.load(f)["language"]
+    except (OSError, ValueError, KeyError, TypeError):
+        run_language = ckpt["language"]          # no run folder around it: nothing to check
+    if run_language != ckpt["language"]:
+        raise ValueError(f"{path}: its language differs from that of its run folder ({config}):"
+                         f" keep each checkpoint in the folder of the run that wrote it")
     return ckpt
 
 
@@ -914,7 +940,10 @@ def main(argv=None):
     try:
         train(parse_args(argv))
     except KeyboardInterrupt:       # before the first update: the loop saves after it
+        signal.signal(signal.SIGINT, signal.SIG_IGN)    # a second Ctrl-C: no traceback
         raise SystemExit("train.py: interrupted before training started; nothing to save")
+    except ValueError as e:         # the language's or the model's own one-line message
+        raise SystemExit(f"train.py: error: {e}") from None
 
 
 if __name__ == "__main__":

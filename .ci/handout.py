@@ -120,6 +120,12 @@ def write_handout(out, names, root=ROOT, exercises=None):
         raise HandoutError(f"unknown exercise {unknown[0]!r} (python .ci/handout.py --list)")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise HandoutError(f"{out} exists and is not an empty folder: give a new one")
+    parent = os.path.abspath(out)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise HandoutError(f"{out} cannot be created: {parent} is "
+                           f"{'not writable' if os.path.isdir(parent) else 'a file'}")
     os.makedirs(out, exist_ok=True)
     for file in COPIED:
         src = os.path.join(root, file)
