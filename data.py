@@ -28,6 +28,12 @@ import torch.nn.functional as F
 
 N_SPECIAL = 2  # [MASK] and [PAD] follow the V words
 
+# The switch between the paper's plain inside() / outside() (False: what a student writes) and
+# _InsideOutside (True: scaled and block-sparse, held equal by the tests); None picks the plain
+# form up to 32 symbols (pcfg-small, pcfg-deep) and the fast one above (the paper-size grammars:
+# 50 symbols, 32 words, where the plain form is 50 times slower and nears float64 underflow).
+FAST_INSIDE_OUTSIDE = None
+
 HMM_SMALL = dict(n_states=20, vocab_size=50, n_blocks=2, length=16)  # "hmm-small": CPU scale
 
 # The CPU-scale PCFG ("pcfg-small"): a grammar a small transformer saturates on one CPU thread.
@@ -325,7 +331,8 @@ class PCFG:
     `max_len` are rejected when sampling (which leaves Pr(x_t | x_-t) unchanged). Tasks A, B,
     C classify the symbol spanning the first 32, 16, 8 words; `span_tasks` {name: (start,
     width)} adds the symbol spanning exactly words [start, start + width). Probabilities come
-    from the fast inside-outside (_InsideOutside), held equal to inside / outside by tests."""
+    from inside(), outside() and pcfg_conditional() on each sentence length, or from
+    _InsideOutside (FAST_INSIDE_OUTSIDE, for grammars of the paper's size)."""
 
     TASK_SPAN = {"A": 32, "B": 16, "C": 8}  # App. A.1: tasks A, B, C use span length L
 
@@ -420,15 +427,55 @@ class PCFG:
 
     def log_prob(self, tokens, lengths):
         """log Pr(x) [n] float64 = log Σ_A root[A] chart[0, L, A] (inside())."""
-        return self._io.log_prob(*self._checked(tokens, lengths))
+        tokens, lengths = self._checked(tokens, lengths)
+        if self._fast():
+            return self._io.log_prob(tokens, lengths)
+        out = torch.empty(len(lengths), dtype=torch.float64)
+        for rows, L in self._by_length(lengths):
+            chart = inside(self.binary, pcfg_leaves(self.lexical, tokens[rows, :L]))
+            out[rows] = (chart[:, 0, L] @ self.root).log()
+        return out
 
     def mlm_conditional(self, tokens, lengths):
         """Exact Pr(x_t = w | x_-t) [n, T, V] float64 (pcfg_conditional) for any lengths; zero
         at t >= length; mask_id words are summed out."""
-        return self._io.conditional(*self._checked(tokens, lengths))
+        tokens, lengths = self._checked(tokens, lengths)
+        if self._fast():
+            return self._io.conditional(tokens, lengths)
+        out = torch.zeros(*tokens.shape, self.vocab_size, dtype=torch.float64)
+        for rows, L in self._by_length(lengths):
+            p = pcfg_conditional(self.root, self.binary, self.lexical, tokens[rows, :L])
+            _refuse(p.isnan().any(2).any(1), rows, "",
+                    " under the grammar even with one word masked: no conditional exists")
+            out[rows, :L] = p
+        return out
+
+    def span_posteriors(self, tokens, lengths):
+        """Pr(A spans exactly words [i, j) | x) [n, T+1, T+1, S] float64: the whole chart of
+        inside() x outside() / Pr(x) (App. A.1), zero where j > length; what a perfect model of
+        the sentence could know of its parse."""
+        tokens, lengths = self._checked(tokens, lengths)
+        T = tokens.shape[1]
+        out = torch.zeros(len(lengths), T + 1, T + 1, self.n_symbols, dtype=torch.float64)
+        for rows, L in self._by_length(lengths):
+            chart = inside(self.binary, pcfg_leaves(self.lexical, tokens[rows, :L]))
+            z = chart[:, 0, L] @ self.root
+            _refuse(z <= 0, rows, "", " under the grammar: no span posterior exists")
+            out[rows, :L + 1, :L + 1] = chart * outside(self.root, self.binary, chart) \
+                / z[:, None, None, None]
+        return out
 
     def _checked(self, tokens, lengths):
         return _check_sentences("PCFG", tokens, lengths, self.vocab_size)[:2]
+
+    def _fast(self):
+        """FAST_INSIDE_OUTSIDE, or (None) whether the grammar has more than 32 symbols."""
+        return self.n_symbols > 32 if FAST_INSIDE_OUTSIDE is None else FAST_INSIDE_OUTSIDE
+
+    @staticmethod
+    def _by_length(lengths):
+        """(rows, L) for each sentence length L: the plain forms take one length at a time."""
+        return [((lengths == L).nonzero()[:, 0], L) for L in lengths.unique().tolist()]
 
     @property
     def tasks(self):
@@ -447,7 +494,12 @@ class PCFG:
         L = self._span_length(task)
         tokens, lengths = self._checked(tokens, lengths)
         start, width = (0, lengths.clamp(max=L)) if L is not None else self.span_tasks[task]
-        return self._io.constituent_posterior(tokens, lengths, start, width)
+        if self._fast():
+            return self._io.constituent_posterior(tokens, lengths, start, width)
+        end = start + torch.as_tensor(width).expand(len(lengths))
+        spans = self.span_posteriors(tokens, lengths)[torch.arange(len(lengths)), start]
+        return torch.where((end <= lengths)[:, None], spans[torch.arange(len(lengths)),
+                                                            end.clamp(max=tokens.shape[1])], 0.0)
 
     def task_data(self, task, n, seed=0):
         """(tokens, lengths, labels [n]): the Bayes label argmax_s of task_posterior, on

@@ -4,6 +4,8 @@ the pre-training loss and the flatness (Figs. 3-5, Table 2).
 Reading order:
   downstream_data     a task of the checkpoint's own language (data.py), one held-out split
   concat_features     the representation: last-layer features of all tokens, concatenated
+  word_features       no model, a task's floor: the one-hot words
+  chart_features      no model, a PCFG task's ceiling: the exact chart of span posteriors
   linear_probe        App. A.4's probe: 512-d Gaussian projection, standardised, softmax head
   finetune            the whole network plus a linear head (App. A.4)
   partial_r2          the trace's partial r² given KL: what flatness explains beyond the loss
@@ -18,7 +20,8 @@ Each probed checkpoint appends to runs/NAME/probe.jsonl one JSON row: ckpt, step
 acc and acc_std (mean, std ddof=1 over probe seeds), accs, n_correct (per test sentence, how
 many probe seeds got it right) and the settings; it prints the row without n_correct.
 `--summary` joins the rows of train.py, hessian.py and probe.py in run folders (print_summary
-says what it prints). `--method onehot` probes one-hot words instead: a task's no-model baseline.
+says what it prints). Two methods need no model and bound what any model can show: `--method
+onehot` probes one-hot words (the floor), `--method chart` a PCFG's exact chart (the ceiling).
 """
 import argparse
 import copy
@@ -40,6 +43,7 @@ import torch.nn.functional as F
 import data
 import train
 
+METHODS = ("linear", "finetune", "onehot", "chart")
 PROJ_DIM = 512          # Gaussian projection of the concatenated features (App. A.4)
 LINEAR_LR = 1e-3        # AdamW lr of the linear head
 LINEAR_EPOCHS = 100
@@ -89,6 +93,16 @@ def word_features(tokens, lengths, n_ids):
     [n, T·n_ids], zero at positions t >= length: what a task gives away from the words alone."""
     in_sentence = torch.arange(tokens.shape[1])[None, :] < lengths[:, None]
     return (F.one_hot(tokens, n_ids).float() * in_sentence[..., None]).flatten(1)
+
+
+def chart_features(lang, tokens, lengths, batch_size=FEATURE_BATCH):
+    """A PCFG task's ceiling (no model): the exact chart, Pr(A spans exactly words [i, j) | x)
+    for every span 0 <= i < j <= T and symbol A (data.PCFG.span_posteriors), [n, T(T+1)/2 · S]
+    float32, zero past the length: all a perfect model of the sentence could know of its parse."""
+    i, j = torch.triu_indices(tokens.shape[1] + 1, tokens.shape[1] + 1, offset=1)
+    return torch.cat([lang.span_posteriors(tokens[b:b + batch_size],
+                                           lengths[b:b + batch_size])[:, i, j].flatten(1).float()
+                      for b in range(0, len(tokens), batch_size)])
 
 
 def linear_probe(x_train, y_train, x_test, y_test, n_classes, seed, proj_dim=PROJ_DIM,
@@ -258,6 +272,9 @@ def checked_task(path, ckpt, lang, task, method):
     except (ValueError, KeyError) as e:
         raise ValueError(f"{path}: no task {task!r} on its {lang.spec()['kind']} language (its "
                          f"tasks: {lang.tasks}; data.py says: {e})") from None
+    if method == "chart" and not hasattr(lang, "span_posteriors"):
+        raise ValueError(f"{path}: --method chart probes a PCFG's parse chart; its language is "
+                         f"a {lang.spec()['kind']}")
     if method == "finetune" and ckpt["kind"] == "lookup":
         raise ValueError(f"{path} is a lookup table: no weights to fine-tune; use --method linear")
     return task, n_classes
@@ -283,6 +300,8 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
     elif method == "onehot":
         n_ids = lang.vocab_size + data.N_SPECIAL
         x, x_test = word_features(tok, lengths, n_ids), word_features(tok_test, lengths_test, n_ids)
+    elif method == "chart":
+        x, x_test = chart_features(lang, tok, lengths), chart_features(lang, tok_test, lengths_test)
     accs, n_correct = [], torch.zeros(n_test, dtype=torch.long)   # seeds right, per test sentence
     for s in range(n_seeds):
         if method != "finetune":
@@ -636,8 +655,9 @@ def parse_args(argv=None):
     a("--plot", help="with --summary: draw the figures to this PNG (needs matplotlib; with "
       "--compare A B@kl: accuracy against KL, pairs joined)")
     a("--task", help="downstream task (PCFG: A, B, C; HMM: k, e.g. 6; default: the first)")
-    a("--method", choices=["linear", "finetune", "onehot"], default="linear", help="linear "
-      "probe (default), fine-tuning (App. A.4), or the linear probe on one-hot words: no model")
+    a("--method", choices=METHODS, default="linear", help="linear probe (default), fine-tuning "
+      "(App. A.4); no model: the linear probe on one-hot words (a task's floor) or on a PCFG's "
+      "exact chart (its ceiling)")
     a("--n-train", type=train.COUNT, default=N_TRAIN, help=f"training examples (default {N_TRAIN})")
     a("--n-test", type=train.COUNT, default=N_TEST, help=f"held-out test examples (default {N_TEST})")
     a("--seeds", type=train.COUNT, default=N_SEEDS, help=f"probe seeds 0..N-1 (default {N_SEEDS})")

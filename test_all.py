@@ -537,15 +537,19 @@ def test_data_pcfg_conditional_plain_equals_brute_force():
                 assert torch.allclose(cond[n, t], brute, atol=1e-12, rtol=0), (n, t)
 
 
-def test_data_pcfg_fast_path_equals_plain_passes():
-    """The scaled, block-sparse inside-outside the experiments run (PCFG methods) equals the
-    plain inside / outside / pcfg_conditional, on sentences of mixed lengths with masks."""
+@pytest.mark.parametrize("fast", [True, False])
+def test_data_pcfg_methods_equal_the_plain_passes(fast, monkeypatch):
+    """PCFG's methods, through the plain forms (FAST_INSIDE_OUTSIDE False) and through the
+    scaled, block-sparse _InsideOutside (True), equal inside / outside / pcfg_conditional on
+    sentences of mixed lengths with masks."""
+    monkeypatch.setattr(data, "FAST_INSIDE_OUTSIDE", fast)
     for g, n in ((_data_tiny_pcfg(), 40), (data.build_language("pcfg-small"), 60),
                  (data.PCFG(**data.parse_rules(_DATA_RULES), max_len=8), 30)):
+        g.span_tasks["E"] = (1, 2)
         tokens, lengths = g.sentences(n, seed=5)
         tokens[::3, 0] = data.mask_id(g.vocab_size)
         cond, logp = g.mlm_conditional(tokens, lengths), g.log_prob(tokens, lengths)
-        posterior = g._io.constituent_posterior(tokens, lengths, 1, 2)
+        posterior = g.task_posterior("E", tokens, lengths)
         for L in lengths.unique().tolist():
             rows = (lengths == L).nonzero()[:, 0]
             x = tokens[rows, :L]
@@ -559,6 +563,8 @@ def test_data_pcfg_fast_path_equals_plain_passes():
                 outer = data.outside(g.root, g.binary, chart)
                 plain = chart[:, 1, 3] * outer[:, 1, 3] / px[:, None]
                 assert torch.allclose(posterior[rows], plain, atol=1e-14, rtol=1e-12)
+            else:
+                assert (posterior[rows] == 0).all()
 
 
 def test_data_pcfg_log_prob_equals_brute_force():
@@ -652,6 +658,21 @@ def test_data_pcfg_span_posteriors_equal_enumerated_parses():
                 assert torch.allclose(post[i], brute, atol=1e-12, rtol=0)
 
 
+def test_data_pcfg_whole_chart_equals_enumerated_parses():
+    """span_posteriors (the ceiling probe's features): every span of every sentence."""
+    g = _data_tiny_pcfg()
+    tokens, lengths = _data_batch(_DATA_XS, 6, 3)
+    chart = g.span_posteriors(tokens, lengths)
+    assert chart.shape == (5, 7, 7, 3) and chart.dtype == torch.float64
+    for i, x in enumerate(_DATA_XS):
+        for start in range(6):
+            for end in range(start + 1, 7):
+                brute = (_data_brute_constituent_posterior(g, x, start, end - start)
+                         if end <= len(x) else torch.zeros(3, dtype=torch.float64))
+                assert torch.allclose(chart[i, start, end], brute, atol=1e-12, rtol=0), \
+                    f"sentence {i}, span [{start}, {end}): {chart[i, start, end]} vs {brute}"
+
+
 def test_data_pcfg_tasks():
     g = _data_tiny_pcfg()
     assert g.tasks == ["A", "B", "C"] and g.n_classes("B") == 3
@@ -695,6 +716,73 @@ def test_data_pcfg_small_task_d_lies_below_the_root():
     assert set(g.task_data("A", 200)[2].tolist()) <= roots
     assert set(g.task_data("C", 200)[2].tolist()) <= roots
     assert not set(g.task_data("D", 200)[2].tolist()) & roots
+
+
+def test_data_hierarchy_rules_are_the_random_hierarchy_model():
+    """PCFG.hierarchy: root uniform on level 0; each non-last symbol m rules of 1/m onto pairs
+    of the next level, no pair under two symbols; each last-level symbol emits its words."""
+    for kw in (dict(), dict(n_per_level=5, rules_per_symbol=3, n_levels=2, words_per_symbol=2,
+                            vocab_size=7, seed=3)):
+        g = data.PCFG.hierarchy(**kw)
+        v, m, L = (kw.get(k, d) for k, d in (("n_per_level", 8), ("rules_per_symbol", 4),
+                                             ("n_levels", 3)))
+        k = kw.get("words_per_symbol", 1)
+        assert g.n_symbols == v * (L + 1) and g.max_len == 2 ** L
+        assert torch.equal(g.root[:v], torch.full((v,), 1 / v, dtype=torch.float64))
+        for level in range(L + 1):
+            syms = range(level * v, (level + 1) * v)
+            rules = g.binary[syms]
+            if level < L:
+                nxt = slice((level + 1) * v, (level + 2) * v)
+                assert ((rules > 0).sum((1, 2)) == m).all() and (rules[:, nxt, nxt] == 1 / m).sum() \
+                    == v * m, f"level {level}: not {m} rules of 1/{m} onto level {level + 1}"
+                assert (rules > 0).sum(0).max() == 1, f"level {level}: a pair with two parents"
+                assert (g.lexical[syms] == 0).all()
+            else:
+                assert (rules == 0).all() and ((g.lexical[syms] == 1 / k).sum(1) == k).all()
+    t, l = data.build_language("pcfg-deep").sentences(50, seed=0)
+    assert (l == 8).all() and data.build_language("pcfg-deep").tasks == ["A", "B", "C"]
+
+
+def test_data_hierarchy_tiny_loss_and_labels_against_enumeration():
+    """v = 2, m = 2, L = 2 (4-word sentences): every sentence's probability, the optimal MLM loss
+    and the root labels from the enumerated parses."""
+    g = data.PCFG.hierarchy(n_per_level=2, rules_per_symbol=2, n_levels=2, seed=1)
+    xs = [list(x) for x in itertools.product(range(2), repeat=4)]
+    px = torch.tensor([_data_brute_inside(g, x)[0] for x in xs], dtype=torch.float64)
+    assert abs(px.sum().item() - 1) < 1e-12                 # all mass on 4-word sentences
+    tokens, lengths = torch.tensor(xs), torch.full((16,), 4)
+    cond = g.mlm_conditional(tokens, lengths)
+    entropy = 0.0
+    for i, x in enumerate(xs):
+        for t in range(4):
+            ps = torch.tensor([_data_brute_inside(g, x[:t] + [w] + x[t + 1:])[0]
+                               for w in range(2)], dtype=torch.float64)
+            if px[i] > 0:
+                brute = ps / ps.sum()
+                assert torch.allclose(cond[i, t], brute, atol=1e-12, rtol=0), (x, t)
+                entropy += px[i] * -(brute * brute.clamp_min(1e-300).log()).sum() / 4
+    h, se = data.mlm_entropy(g, n=4000, seed=0)
+    assert abs(h - entropy) < 4 * se + 1e-9, (h, se, entropy)
+    t, l, y = g.task_data("A", 30, seed=0)
+    for i in range(30):
+        brute = _data_brute_constituent_posterior(g, t[i, :4].tolist(), 0, 4)
+        assert y[i] == brute.argmax() and brute.max() == 1.0      # no ambiguity: one parse
+
+
+def test_data_hierarchy_span_labels_are_read_off_their_words():
+    """Without ambiguity the symbol over an aligned span is known from the span's words alone:
+    with every other word masked its posterior is already one-hot, the full sentence's."""
+    g = data.build_language("pcfg-deep")
+    tokens, lengths = g.sentences(40, seed=2)
+    full = g.span_posteriors(tokens, lengths)
+    for start, width in ((0, 8), (0, 4), (4, 4), (2, 2), (6, 2)):
+        masked = torch.full_like(tokens, data.mask_id(g.vocab_size))
+        masked[:, start:start + width] = tokens[:, start:start + width]
+        alone = g.span_posteriors(masked, lengths)[:, start, start + width]
+        assert torch.allclose(alone, full[:, start, start + width], atol=1e-12, rtol=0), \
+            f"span ({start}, {width}): its words alone do not give the full posterior"
+        assert (alone.max(1).values == 1).all(), f"span ({start}, {width}): not one-hot"
 
 
 def test_data_pcfg_sampling_matches_log_prob():
@@ -3281,6 +3369,30 @@ def test_probe_onehot_method_is_the_linear_probe_on_the_words(tmp_path):
                                       lang.n_classes("3"), seed=s, epochs=2).long()
                    for s in range(2))
     assert row["method"] == "onehot" and row["n_correct"] == expected.tolist()
+
+
+def test_probe_chart_method_is_the_linear_probe_on_the_enumerated_chart(tmp_path):
+    """The ceiling: the chart of every span, computed here from the enumerated parses."""
+    lang = _data_tiny_pcfg()
+    ckpt = _probe_lookup_ckpt(tmp_path, lang)
+    row = probe.probe_checkpoint(ckpt, "A", method="chart", n_train=40, n_test=20, n_seeds=2,
+                                 epochs=2)
+    (tok, l, y), (tok_test, l_test, y_test) = probe.downstream_data(lang, "A", 40, 20)
+    T = tok.shape[1]
+
+    def chart(tokens, lengths):                       # spans in the order (0,1), (0,2), ... (T-1,T)
+        return torch.stack([torch.cat([
+            _data_brute_constituent_posterior(lang, x[:n].tolist(), i, j - i) if j <= n
+            else torch.zeros(lang.n_symbols, dtype=torch.float64)
+            for i in range(T) for j in range(i + 1, T + 1)]) for x, n in zip(tokens, lengths)])
+    x, x_test = chart(tok, l).float(), chart(tok_test, l_test).float()
+    torch.testing.assert_close(probe.chart_features(lang, tok, l), x, rtol=0, atol=1e-6)
+    expected = sum(probe.linear_probe(x, y, x_test, y_test, lang.n_classes("A"), seed=s,
+                                      epochs=2).long() for s in range(2))
+    assert row["method"] == "chart" and row["n_correct"] == expected.tolist()
+    hmm = _probe_lookup_ckpt(tmp_path, _probe_tiny_hmm(), "ckpt_0000001.pt")
+    with pytest.raises(ValueError, match="--method chart probes a PCFG's parse chart"):
+        probe.probe_checkpoint(hmm, "3", method="chart")
 
 
 def test_probe_checkpoint_row_fields(tmp_path):
