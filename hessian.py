@@ -61,10 +61,11 @@ def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0):
         Tr[∇²L] ≈ Tr[G] = mean over sentences of E_{ỹ ~ p_θ(·|x_-t)} ‖∇_θ log p_θ(ỹ | x_-t)‖².
     inputs [N, T] masked sentences, positions [N] their masked positions; p_θ from model_probs,
     the squared norms from sq_grad_norms(model, inputs, positions, labels) -> float64 [K].
-    Each of `n_repeats` repetitions draws `n_samples` ỹ per sentence (torch.multinomial with a
-    generator seeded `seed`) and averages the N · n_samples squared norms; returns the mean and
-    the std (ddof=1) of the repetitions, as the paper reports. Written with counts: a
-    (sentence, ỹ) pair drawn several times is computed once and weighted by its count.
+    The draws: one torch.multinomial(p_θ, n_repeats · n_samples, replacement=True) with a
+    torch.Generator seeded `seed`; repetition r takes each sentence's draws r · n_samples ..
+    (r + 1) · n_samples - 1 and averages the N · n_samples squared norms. Returns floats: the
+    mean and the std (ddof=1) of the repetitions, as the paper reports; the model is unchanged.
+    Written with counts: a (sentence, ỹ) pair drawn several times is computed once, weighted.
     """
     if n_samples < 1 or n_repeats < 2:
         raise ValueError(f"need n_samples >= 1 and n_repeats >= 2 (a std needs two repetitions), "
@@ -617,6 +618,14 @@ def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.sgd_demo:
+        A, B, pi = softmax_teacher()
+        p_true, shapes = torch.softmax(A @ B, -1), (A.shape, B.shape)
+        for where, (a, b) in (("at the minimiser (2 A*, B*/2)", (2 * A, B / 2)),
+                              ("off the manifold (A*, 2 B*)", (A, 2 * B))):
+            theta = torch.cat([a.reshape(-1), b.reshape(-1)])
+            gap = (gradient_covariance(theta, *shapes, pi, p_true)
+                   - population_hessian(theta, *shapes, pi, p_true)).abs().max().item()
+            print(f"Lemma 3.2 {where}: max |Cov[∇ℓ] - ∇²L| = {gap:.1e}")
         print("Theorem 3.3: SGD (fresh samples, lr 0.05, batch 1) on softmax(A B), started at the "
               "unbalanced minimiser (2 A*, B*/2)")
         print(f"{'step':>8} {'loss-entropy':>14} {'Tr[∇²L]':>10}")

@@ -106,6 +106,25 @@ def test_data_mask_position_is_uniform_chi_square():
         assert chi2 < critical, (length, chi2, critical, counts.tolist())
 
 
+@exercise("mask")
+def test_data_mask_draws_from_its_generator_only():
+    """The docstring's draw: one float64 uniform per sentence from `generator`, position =
+    floor(u * length); the same seed gives the same masks, the global RNG is not touched, and
+    the tokens passed in are left as they were."""
+    lengths = torch.tensor([1, 2, 3, 7, 7, 5] * 50)
+    tokens = torch.randint(0, 4, (300, 7), generator=torch.Generator().manual_seed(2))
+    before, global_state = tokens.clone(), torch.get_rng_state()
+    a = data.mask_one(tokens, lengths, 4, torch.Generator().manual_seed(11))
+    b = data.mask_one(tokens, lengths, 4, torch.Generator().manual_seed(11))
+    assert all(torch.equal(x, y) for x, y in zip(a, b)), "the same seed gave other masks"
+    u = torch.rand(300, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    want = (u * lengths).floor().long()
+    assert torch.equal(a[2], want), (f"positions differ from floor(u * length) at sentences "
+                                     f"{(a[2] != want).nonzero()[:5, 0].tolist()}")
+    assert torch.equal(torch.get_rng_state(), global_state), "mask_one drew from the global RNG"
+    assert torch.equal(tokens, before), "mask_one changed the tokens it was given"
+
+
 def test_data_mask_rate():
     """mask_rate masks about `rate` of the words, at least one per sentence, never padding."""
     gen = torch.Generator().manual_seed(1)
@@ -2113,8 +2132,9 @@ class _TrainToyLanguage:
 
 class _TrainTableModel(torch.nn.Module):
     """A "network" whose prediction for each whole input row (a sentence with one position
-    masked) is a distribution q we chose, at every position, with large junk logits at the two
-    special tokens that the softmax over the V words must ignore."""
+    masked) is a distribution q we chose, at the masked position only: every other position
+    predicts another distribution, and so does the whole net in training mode (dropout-like);
+    large junk logits at the two special tokens, which the softmax over the V words ignores."""
 
     def __init__(self, q_of_row):
         super().__init__()
@@ -2123,8 +2143,10 @@ class _TrainTableModel(torch.nn.Module):
     def forward(self, x):
         rows = [self.q_of_row[tuple(r.tolist())] for r in x]
         logq = torch.tensor(rows, dtype=torch.float64).log()
-        out = torch.cat([logq, torch.full((len(rows), 2), 30.0, dtype=torch.float64)], -1)
-        return out[:, None, :].expand(-1, x.shape[1], -1).float()
+        other = torch.tensor([0.9, 0.06, 0.04], dtype=torch.float64).log().expand_as(logq)
+        at = (x == data.mask_id(3))[..., None] & (not self.training)
+        out = torch.where(at, logq[:, None, :], other[:, None, :])
+        return torch.cat([out, torch.full((*x.shape, 2), 30.0, dtype=torch.float64)], -1).float()
 
 
 def _train_toy_kl_by_hand(lang, q_of_row):
@@ -2168,12 +2190,16 @@ def test_train_exact_kl_on_a_hand_made_language(batch):
     ev = train.make_eval_set(lang, 3)
     got = train.evaluate(net, ev, 3, batch=batch)
     loss, ent, kl, se = _train_toy_kl_by_hand(lang, q)
-    assert set(got) == {"eval_loss", "entropy", "kl", "kl_se"}
-    assert got["eval_loss"] == pytest.approx(loss, rel=1e-6)
-    assert got["entropy"] == pytest.approx(ent, rel=1e-12)
-    assert got["kl"] == pytest.approx(kl, rel=1e-5) and got["kl"] > 0.05
-    assert got["kl_se"] == pytest.approx(se, rel=1e-5)
-    assert net.training                                   # left in the mode it came in
+    assert set(got) == {"eval_loss", "entropy", "kl", "kl_se"}, f"keys {sorted(got)}"
+    for key, want, rel in (("eval_loss", loss, 1e-6), ("entropy", ent, 1e-12), ("kl", kl, 1e-5),
+                           ("kl_se", se, 1e-5)):
+        assert got[key] == pytest.approx(want, rel=rel), \
+            f"{key}: got {got[key]!r}, by hand {want!r} (predictions read at the masked " \
+            f"position, the net in eval mode)"
+    assert net.training, "evaluate must return the net in the mode it came in (here: training)"
+    net.eval()
+    train.evaluate(net, ev, 3, batch=batch)
+    assert not net.training, "evaluate must return the net in the mode it came in (here: eval)"
 
 
 @exercise("exact_kl")
@@ -2187,8 +2213,9 @@ def test_train_exact_kl_is_zero_for_the_truth():
             row[t] = data.mask_id(3)
             truth[tuple(row.tolist())] = lang.p[i, t].clamp_min(1e-30).tolist()
     got = train.evaluate(_TrainTableModel(truth), train.make_eval_set(lang, 3), 3)
-    assert abs(got["kl"]) < 1e-6 and got["kl_se"] < 1e-6
-    assert got["eval_loss"] == pytest.approx(got["entropy"], abs=1e-6)
+    assert abs(got["kl"]) < 1e-6 and got["kl_se"] < 1e-6, f"kl {got['kl']} ± {got['kl_se']}"
+    assert got["eval_loss"] == pytest.approx(got["entropy"], abs=1e-6), \
+        f"eval_loss {got['eval_loss']} vs entropy {got['entropy']}"
 
 
 def _train_tf2m_adamw():
@@ -2576,6 +2603,7 @@ def test_hessian_trace_std_is_the_sample_std_of_the_repetitions():
     assert 0.7 < np.mean(np.square(stds)) / variance < 1.3
 
 
+@exercise("trace_hessian")
 def test_hessian_trace_is_the_count_weighted_mean_over_its_own_draws():
     """The experiments' draws: ỹ by torch.multinomial from p_θ with a generator seeded `seed`,
     n_repeats · n_samples per sentence; each repetition's estimate is the mean of the plain
@@ -2593,8 +2621,10 @@ def test_hessian_trace_is_the_count_weighted_mean_over_its_own_draws():
         norms = _hessian_loop_sq_norms(net, inputs[i].repeat(repeats * samples, 1),
                                        positions[i].repeat(repeats * samples), draws[i])
         per_repeat += norms.view(repeats, samples).sum(1).numpy() / (n * samples)
-    assert abs(mean - per_repeat.mean()) < 1e-5 * per_repeat.mean()
-    assert abs(std - per_repeat.std(ddof=1)) < 1e-4 * per_repeat.std(ddof=1)
+    assert abs(mean - per_repeat.mean()) < 1e-5 * per_repeat.mean(), \
+        f"mean {mean} vs {per_repeat.mean()} over the docstring's draws"
+    assert abs(std - per_repeat.std(ddof=1)) < 1e-4 * per_repeat.std(ddof=1), \
+        f"std {std} vs {per_repeat.std(ddof=1)} (ddof=1 over the repetitions)"
 
 
 @pytest.mark.parametrize("n_positions, kwargs, message", [
@@ -2922,6 +2952,69 @@ def test_probe_linear_probe_is_fixed_by_its_seed():
     a, b, c = (probe.linear_probe(x[200:], y[200:], x[:200], y[:200], 3, seed=s, epochs=2,
                                   proj_dim=8, batch_size=16) for s in (5, 5, 6))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def _probe_reference(x_train, y_train, x_test, n_classes, seed, proj_dim, epochs,
+                     own_test_statistics=False, double_softmax=False):
+    """linear_probe's docstring written out independently -> test predictions; the two flags
+    make two plausible mistakes, so the data can be shown to tell them apart."""
+    g = torch.Generator().manual_seed(seed)
+    if proj_dim is not None:
+        R = torch.randn(x_train.shape[1], proj_dim, generator=g) / math.sqrt(proj_dim)
+        x_train, x_test = x_train @ R, x_test @ R
+    x_train, x_fit = train.standardise(x_train, x_test)
+    x_test = train.standardise(x_test)[0] if own_test_statistics else x_fit
+    head = torch.nn.Linear(x_train.shape[1], n_classes)
+    bound = 1 / math.sqrt(x_train.shape[1])
+    with torch.no_grad():
+        head.weight.copy_(torch.rand(n_classes, x_train.shape[1], generator=g) * 2 * bound - bound)
+        head.bias.copy_(torch.rand(n_classes, generator=g) * 2 * bound - bound)
+    opt = torch.optim.AdamW(head.parameters(), lr=probe.LINEAR_LR, weight_decay=probe.WEIGHT_DECAY)
+    for _ in range(epochs):
+        order = torch.randperm(len(x_train), generator=g)
+        for batch in order.split(probe.LINEAR_BATCH):
+            logits = head(x_train[batch])
+            logits = logits.softmax(1) if double_softmax else logits
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(logits, y_train[batch]).backward()
+            opt.step()
+    with torch.no_grad():
+        return head(x_test).argmax(1)
+
+
+def _probe_mistake_data(kind):
+    """(x_train, y_train, x_test, y_test, epochs) on which a mistake changes the predictions:
+    "shifted", a test split far from the training split's mean (the statistics used for it
+    matter); "noisy", four overlapping classes trained long (the loss's form matters)."""
+    g = torch.Generator().manual_seed(0)
+    if kind == "shifted":
+        x, y = _probe_separable(1800, 24, 4, seed=7)
+        return x[800:], y[800:], x[:800] + 1.5 * x[800:].std(0), y[:800], 3
+    y = torch.randint(0, 4, (1800,), generator=g)
+    x = torch.randn(4, 24, generator=g)[y] + 2.0 * torch.randn(1800, 24, generator=g)
+    return x[800:], y[800:], x[:800], y[:800], 60
+
+
+@exercise("linear_probe")
+@pytest.mark.parametrize("proj_dim", [probe.PROJ_DIM, None])
+@pytest.mark.parametrize("kind, mistake", [("shifted", "own_test_statistics"),
+                                           ("noisy", "double_softmax")])
+def test_probe_linear_probe_follows_its_specification(proj_dim, kind, mistake):
+    """On data where a plausible mistake changes the answer, the probe predicts what its
+    docstring says, test point by test point: the training split's statistics for both
+    splits; one softmax, in the cross-entropy."""
+    x_train, y_train, x_test, y_test, epochs = _probe_mistake_data(kind)
+    want = _probe_reference(x_train, y_train, x_test, 4, 3, proj_dim, epochs)
+    wrong = _probe_reference(x_train, y_train, x_test, 4, 3, proj_dim, epochs, **{mistake: True})
+    assert (wrong != want).float().mean() > 0.04, f"the data cannot tell {mistake}"
+    correct = probe.linear_probe(x_train, y_train, x_test, y_test, 4, seed=3, proj_dim=proj_dim,
+                                 epochs=epochs)
+    assert correct.dtype == torch.bool and correct.shape == (800,), \
+        f"returns {correct.dtype} {tuple(correct.shape)}, not bool (800,)"
+    agree = correct.eq(want.eq(y_test)).float().mean().item()
+    assert agree > 0.99, (f"right/wrong agrees with the specification on {agree:.1%} of the "
+                          f"test points only (the training split's statistics for both splits? "
+                          f"one softmax? the draws in the docstring's order?)")
 
 
 def test_probe_projection_is_seeded_and_n_0_1_over_512():
@@ -4111,6 +4204,21 @@ def test_handout_student_copy_compiles_and_keeps_markers(tmp_path):
             if ex["file"] == script:
                 assert f"# BEGIN EXERCISE {name}" in text and f"# END EXERCISE {name}" in text
                 assert text.count(f"NotImplementedError('exercise {name}:") == 1
+
+
+def test_handout_grade_reports_blank_failed_and_passed(tmp_path):
+    """--grade on a student copy: mask left blank, lr_schedule written wrong (no warm-up),
+    partial_r2 untouched: one line each, with the count of its tests that pass."""
+    handout = _handout()
+    out = tmp_path / "class"
+    handout.write_handout(str(out), ["mask", "lr_schedule"])
+    text = (out / "train.py").read_text()
+    blank = re.search(r"( *)raise NotImplementedError\('exercise lr_schedule:[^\n]*", text)
+    (out / "train.py").write_text(text.replace(blank[0], f"{blank[1]}return args.lr"))
+    rows = handout.grade(str(out), ["mask", "lr_schedule", "partial_r2"])
+    assert [r[:2] for r in rows] == [("mask", "blank"), ("lr_schedule", "failed"),
+                                     ("partial_r2", "passed")], rows
+    assert rows[0][2] == 0 and 0 <= rows[1][2] < rows[1][3] and rows[2][2] == rows[2][3] >= 2
 
 
 @pytest.mark.parametrize("edits, argv, message", [

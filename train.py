@@ -230,7 +230,8 @@ def evaluate(net, ev, V, device="cpu", batch=4096):
       kl_se     = the sample std (ddof 1) over the n sentences of their own KL (the mean over the
                   sentence's positions of CE - H(p)), divided by sqrt(n).
     Returns {"eval_loss", "entropy", "kl", "kl_se"} as floats. The net runs in eval mode,
-    `batch` rows at a time, in float32 (no autocast: bf16 would swamp KLs of 1e-2)."""
+    `batch` rows at a time, in float32 (no autocast: bf16 would swamp KLs of 1e-2), on
+    `device`, and is returned in the mode (train or eval) it came in; nothing else changes."""
     # BEGIN EXERCISE exact_kl
     was_training = net.training
     net.eval()

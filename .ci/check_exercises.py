@@ -4,66 +4,99 @@ For every exercise E:
   selection  `pytest -k ex_E` selects exactly the tests tagged @exercise("E"), at least one;
   alone      with every exercise blanked except E and what it requires, E's tests pass;
   needed     with only E blanked, each of E's tests fails with E's NotImplementedError;
+  live       with only E blanked, E's step of the teaching path (TEACHING_PATH, the README's
+             commands) fails with E's NotImplementedError: the scripts run the student's code;
 and with every exercise blanked the whole suite collects and runs, every failure naming an
-exercise. Run: python .ci/check_exercises.py   (about two minutes on 2 cores; exit 1 on failure)
+exercise. Run: python .ci/check_exercises.py   (about three minutes on 2 cores; exit 1 on failure)
 """
 import concurrent.futures
-import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import handout  # noqa: E402
 
-TAGS_PLUGIN = '''
-import json, os
-def pytest_collection_modifyitems(items):
-    tags = {item.name: sorted(k[3:] for k in vars(getattr(item, "function", None) or object)
-                              if k.startswith("ex_")) for item in items}
-    with open(os.environ["EXERCISE_TAGS"], "w") as f:
-        json.dump(tags, f)
-'''
+
+
+# The README's teaching path at toy sizes: (command, the exercises it runs). Each runs in the
+# folder of a student copy, after the commands above it (their files copied in).
+Q = "runs/q-s0/ckpt_0000002.pt runs/q-s0/ckpt_0000004.pt runs/q-s0/ckpt_0000006.pt"
+TINY = "--batch 16 --eval-n 20"
+TEACHING_PATH = [
+    ("data.py hmm-small --n 20 --out hmm.pt", ["hmm_conditional", "task_label"]),
+    ("data.py pcfg-small --n 20 --out pcfg.pt", ["inside", "outside", "pcfg_conditional"]),
+    ("model.py --check-grow", ["grow"]),
+    (f"train.py --steps 6 {TINY} --eval-every 2 --ckpt-every 2 --name q-s0",
+     ["mask", "mlm_loss", "lr_schedule", "exact_kl"]),
+    (f"train.py --lang pcfg-small --preset tf-1m --steps 2 {TINY} --name t", ["attention"]),
+    (f"train.py --algo adversarial --steps 2 {TINY} --adv-pool 64 --adv-n1 16 --adv-n2 16 "
+     f"--name a", ["adversarial"]),
+    (f"hessian.py {Q} --sentences 8 --samples 2 --repeats 2 --hvp-sentences 4 --eig-iters 2",
+     ["trace_hessian"]),
+    ("hessian.py --sgd-demo", ["noise_covariance"]),
+    (f"probe.py {Q} --n-train 20 --n-test 10 --seeds 2 --epochs 1", ["linear_probe"]),
+    ("probe.py --summary runs/q-s0 --compare q@2 q@last", ["partial_r2", "paired_difference"]),
+    ("dyck_theory.py", ["dyck_trace", "lower_bound", "transferable"]),
+]
+
+
+def run_script(folder, command):
+    """(exit code, stderr) of `python COMMAND` in `folder`, one thread."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.run([sys.executable, *shlex.split(command)], cwd=folder, env=env,
+                          capture_output=True, text=True)
+    return proc.returncode, proc.stderr
+
+
+def run_teaching_path(tmp):
+    """The teaching path on the whole project: a folder holding every command's files, or the
+    problems found (a command that fails, an exercise on no step)."""
+    folder = os.path.join(tmp, "teaching-path")
+    handout.write_handout(folder, [], exercises=handout.find_exercises())
+    problems = []
+    for command, _ in TEACHING_PATH:
+        code, err = run_script(folder, command)
+        if code:
+            problems.append(f"teaching path: python {command} fails on the whole project:\n"
+                            f"{err[-1500:]}")
+    return folder, problems
+
+
+def check_live(name, needed, path):
+    """E's step of the teaching path, in the copy with only E blanked, fails naming E; `path`:
+    the future of run_teaching_path."""
+    path_folder = path.result()[0]
+    steps = [command for command, names in TEACHING_PATH if name in names]
+    if not steps:
+        return [f"{name}: no step of the teaching path (TEACHING_PATH) runs it"]
+    for entry in os.listdir(path_folder):          # the earlier steps' files
+        src, dst = os.path.join(path_folder, entry), os.path.join(needed, entry)
+        if not os.path.exists(dst):
+            (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, dst)
+    code, err = run_script(needed, steps[0])
+    if code == 0 or f"exercise {name}:" not in err:
+        return [f"{name}: python {steps[0]} does not fail with {name} blanked (exit {code}): "
+                f"the script does not run the student's code\n{err[-500:]}"]
+    return []
 
 
 def run_pytest(folder, args):
-    """{test name: (outcome, message)} from a pytest run in `folder`, and its exit code."""
-    junit = os.path.join(folder, f"junit-{abs(hash(tuple(args)))}.xml")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           f"--junitxml={junit}", "test_all.py", *args], cwd=folder, env=env,
-                          capture_output=True, text=True)
-    results = {}
-    if os.path.exists(junit):
-        for case in ET.parse(junit).getroot().iter("testcase"):
-            outcome, message = "passed", ""
-            for tag in ("failure", "error", "skipped"):
-                node = case.find(tag)
-                if node is not None:
-                    outcome = tag
-                    message = f"{node.get('message', '')}\n{node.text or ''}"
-            results[case.get("name")] = (outcome, message)
-    return results, proc.returncode, proc.stdout[-2000:]
+    """{test name: (outcome, message)}, exit code and output tail (handout.run_pytest)."""
+    return handout.run_pytest(folder, args)[:3]
 
 
 def tagged_tests(exercises):
     """{exercise: set of test names tagged with it}, by collecting the suite once."""
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(os.path.join(tmp, "exercise_tags_plugin.py"), "w") as f:
-            f.write(TAGS_PLUGIN)
-        env = dict(os.environ, PYTHONPATH=tmp, EXERCISE_TAGS=os.path.join(tmp, "tags.json"))
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:cacheprovider",
-                        "-p", "exercise_tags_plugin", "test_all.py"], cwd=handout.ROOT, env=env,
-                       capture_output=True, check=True)
-        with open(env["EXERCISE_TAGS"]) as f:
-            tags = json.load(f)
+    tags = handout.run_pytest(handout.ROOT, ["--co"], tags=True)[3]
     return {e: {test for test, names in tags.items() if e in names} for e in exercises}
 
 
-def check_one(exercises, name, tests, tmp):
-    """The problems found for exercise `name` (empty when it is graded alone)."""
+def check_one(exercises, name, tests, tmp, path):
+    """The problems found for exercise `name` (empty when it is graded alone and live)."""
     problems = []
     if not tests:
         return [f"{name}: no test is tagged @exercise({name!r})"]
@@ -84,7 +117,7 @@ def check_one(exercises, name, tests, tmp):
               if outcome not in ("failure", "error") or f"exercise {name}:" not in message]
     if missed:
         problems.append(f"{name}: tests that do not fail with the exercise blanked: {missed}")
-    return problems
+    return problems + check_live(name, needed, path)
 
 
 def check_all_blank(exercises, tmp):
@@ -107,12 +140,13 @@ def main():
     tags = tagged_tests(exercises)
     with tempfile.TemporaryDirectory() as tmp, \
             concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        jobs = {name: pool.submit(check_one, exercises, name, tags[name], tmp)
+        path = pool.submit(run_teaching_path, tmp)      # (folder, problems), first in the queue
+        jobs = {name: pool.submit(check_one, exercises, name, tags[name], tmp, path)
                 for name in exercises}
         jobs["(all blanked)"] = pool.submit(check_all_blank, exercises, tmp)
         problems = []
-        for name, job in jobs.items():
-            found = job.result()
+        for name, job in [("(teaching path)", None), *jobs.items()]:
+            found = path.result()[1] if job is None else job.result()
             problems += found
             print(f"{name:20} {'ok' if not found else 'FAILED'}"
                   + ("" if name.startswith("(") else f"  ({len(tags[name])} tests)"), flush=True)

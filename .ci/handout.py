@@ -13,15 +13,21 @@ docstrings and replaces each chosen region by `raise NotImplementedError("exerci
   python .ci/handout.py --list                  # name, file:line, paper section, requires, tests
   python .ci/handout.py OUT                     # a copy of the project in OUT, every exercise blank
   python .ci/handout.py OUT trace_hessian grow  # ... only these blank
-Grading: in the student's copy, `python -m pytest -q test_all.py -k ex_<name>` for each exercise.
-Standard library only.
+  python .ci/handout.py --grade [NAME ...]      # in a student's copy: a line per exercise
+Grading one exercise: `python -m pytest -q test_all.py -k ex_<name>` in the student's copy;
+--grade runs them all (or those named) and prints each one blank, passed or failed, with the
+number of its tests that pass. Standard library only (pytest runs in a subprocess).
 """
 import argparse
 import ast
+import json
 import os
 import re
 import shutil
+import subprocess
 import sys
+import tempfile
+import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("data.py", "model.py", "train.py", "hessian.py", "probe.py", "dyck_theory.py")
@@ -139,6 +145,74 @@ def write_handout(out, names, root=ROOT, exercises=None):
             shutil.copy(src, os.path.join(out, file))
 
 
+# A pytest plugin writing {test name: [exercise, ...]} (its @exercise tags) to $EXERCISE_TAGS.
+TAGS_PLUGIN = '''
+import json, os
+def pytest_collection_modifyitems(items):
+    tags = {item.name: sorted(k[3:] for k in vars(getattr(item, "function", None) or object)
+                              if k.startswith("ex_")) for item in items}
+    with open(os.environ["EXERCISE_TAGS"], "w") as f:
+        json.dump(tags, f)
+'''
+
+
+def run_pytest(folder, args, tags=False):
+    """({test name: (outcome, message)}, exit code, the output's tail, and with tags=True
+    {test name: its exercises}) of `pytest test_all.py ARGS` run in `folder`, one thread."""
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = os.path.join(tmp, "junit.xml")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1",
+                   PYTHONPATH=tmp, EXERCISE_TAGS=os.path.join(tmp, "tags.json"))
+        with open(os.path.join(tmp, "exercise_tags_plugin.py"), "w") as f:
+            f.write(TAGS_PLUGIN)
+        plugin = ["-p", "exercise_tags_plugin"] if tags else []
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               *plugin, f"--junitxml={junit}", "test_all.py", *args], cwd=folder,
+                              env=env, capture_output=True, text=True)
+        results = {}
+        if os.path.exists(junit):
+            for case in ET.parse(junit).getroot().iter("testcase"):
+                outcome, message = "passed", ""
+                for tag in ("failure", "error", "skipped"):
+                    node = case.find(tag)
+                    if node is not None:
+                        outcome = tag
+                        message = f"{node.get('message', '')}\n{node.text or ''}"
+                results[case.get("name")] = (outcome, message)
+        found = {}
+        if tags and os.path.exists(env["EXERCISE_TAGS"]):
+            with open(env["EXERCISE_TAGS"]) as f:
+                found = json.load(f)
+    return results, proc.returncode, proc.stdout[-2000:], found
+
+
+def grade(folder, names):
+    """[(exercise, "blank" | "passed" | "failed", tests passed, tests)] for the exercises
+    `names` of the copy in `folder`: blank if its region still raises the handout's
+    NotImplementedError, passed if all its tests pass."""
+    exercises = find_exercises(folder)
+    unknown = [n for n in names if n not in exercises]
+    if unknown:
+        raise HandoutError(f"unknown exercise {unknown[0]!r} (python .ci/handout.py --list)")
+    names = names or sorted(exercises, key=lambda n: (SCRIPTS.index(exercises[n]["file"]),
+                                                      exercises[n]["begin"]))
+    results, _, out, tags = run_pytest(folder, ["-k", " or ".join(f"ex_{n}" for n in names)],
+                                       tags=True)
+    if not results:
+        raise HandoutError(f"pytest ran no test in {folder}:\n{out}")
+    rows = []
+    for name in names:
+        ex = exercises[name]
+        with open(os.path.join(folder, ex["file"]), encoding="utf-8") as f:
+            region = "".join(f.readlines()[ex["begin"]:ex["end"] - 1])
+        tests = [t for t, of in tags.items() if name in of and t in results]
+        passed = sum(results[t][0] == "passed" for t in tests)
+        blank = f"NotImplementedError('exercise {name}:" in region
+        rows.append((name, "blank" if blank else "passed" if passed == len(tests) else "failed",
+                     passed, len(tests)))
+    return rows
+
+
 def print_list(exercises):
     print(f"{'exercise':18} {'where':22} {'paper':10} {'requires':26} test")
     for name, ex in sorted(exercises.items(), key=lambda kv: (SCRIPTS.index(kv[1]["file"]),
@@ -153,8 +227,17 @@ def main(argv=None):
     p.add_argument("out", nargs="?", help="folder for the student copy (new or empty)")
     p.add_argument("names", nargs="*", help="exercises to blank (default: all)")
     p.add_argument("--list", action="store_true", help="list the exercises and exit")
+    p.add_argument("--grade", nargs="*", metavar="NAME", help="grade this copy's exercises "
+                   "(default: all): blank, passed or failed, and tests passed")
     args = p.parse_args(argv)
     try:
+        if args.grade is not None:
+            rows = grade(ROOT, [n for n in [args.out, *args.names, *args.grade] if n])
+            for name, status, passed, n in rows:
+                print(f"{name:18} {status:6}  {passed}/{n} tests pass")
+            done = sum(status == "passed" for _, status, _, _ in rows)
+            print(f"{done} of {len(rows)} exercises pass")
+            return
         exercises = find_exercises()
         if args.list or args.out is None:
             print_list(exercises)
