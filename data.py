@@ -38,8 +38,9 @@ HMM_SMALL = dict(n_states=20, vocab_size=50, n_blocks=2, length=16)  # "hmm-smal
 
 # The CPU-scale PCFG ("pcfg-small"): a grammar a small transformer saturates on one CPU thread.
 # Four levels keep sentences <= 8 words, so tasks A, B, C all name the root; task D, the symbol
-# spanning words 3-4, lies two levels below it. Twelve words per last-level symbol make those
-# symbols share words, so D is not read off the words alone.
+# spanning words 3-4, lies two levels below it. D is almost a function of its two words (the
+# one-hot words nearly reach the exact chart: probe.py --method onehot / chart): no model can
+# show an effect on it, the negative control beside pcfg-deep.
 PCFG_SMALL = dict(n_symbols=10, vocab_size=24, n_levels=4, rules_per_symbol=4,
                   words_per_symbol=12, max_len=8, span_tasks={"D": (2, 2)})
 

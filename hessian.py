@@ -36,7 +36,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import data
-import model as model_lib   # `model` is the argument name the contract gives trace_hessian
+import model as model_lib   # trace_hessian's argument is called `model`
 import train
 
 # sentences per estimate, ỹ drawn per sentence, repetitions (the paper reports mean ± std),
@@ -424,8 +424,8 @@ def sq_grad_norms(net, inputs, positions, labels, chunk_size=None):
     inputs [K, T], positions [K], labels [K], `chunk_size` pairs at a time (default: ~128 MiB
     of per-sample gradients, at most 512). Two routes, equal up to float rounding (tested):
     torch.func's vmap of grad (any model), and for models built of nn.Embedding, nn.Linear and
-    nn.LSTM alone (model.py's LSTMs) one batched backward (_layerwise_sq_norms), the route the
-    README's LSTM traces were computed with, bit for bit."""
+    nn.LSTM alone (model.py's LSTMs) one batched backward (_layerwise_sq_norms), taken for them
+    because it is faster."""
     fnet = vmappable(net)
     params, _ = _params_and_buffers(net)
     one_chunk = (_layerwise_sq_norms if _layerwise_ok(fnet) else _vmap_sq_norms)(fnet, net)

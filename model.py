@@ -47,8 +47,7 @@ class ModelConfig:
     dropout: float = 0.0
     lstm_hidden: int = 128  # LSTM only: hidden size H per direction; features have d = 2H
     # transformer only: width of each head. The paper's (BERT's) 64 everywhere; narrower heads
-    # make the CPU-scale models (d = 32) for the small PCFG (§2.2).
-    # Checkpoints written before this field existed rebuild with the default.
+    # make the CPU-scale models (d = 32) for the small PCFGs (§2.2).
     head_dim: int = HEAD_DIM
 
     def __post_init__(self):
@@ -259,7 +258,12 @@ def grow(model, width=2, extra_layers=0, seed=0):
     Depth (transformers): a new block with zero attention and MLP output projections (its other
     weights fresh from `seed`, so it can train) is the identity on a pre-LN stream. On a post-LN
     stream it is not: the paper's zero-filled blocks change the function (zero_filled_blocks,
-    `python model.py --check-grow`), so the old top block is re-parametrised (_deepen_post_ln).
+    `python model.py --check-grow`), so the old top block is re-parametrised: call
+    _deepen_post_ln(state, config.n_layers, extra_layers) on the grown state dict, after the
+    width copies and the 1/k of the top LayerNorm. The new blocks' other weights come from
+    build() under torch.manual_seed(seed), inside torch.random.fork_rng (the global RNG is
+    left as it was). Returns a new model with the source's config save for the sizes, on its
+    device, in its dtype and in its train/eval mode.
     LSTM depth has no exact construction (a layer has no residual path): ValueError."""
     config = model.config
     if not (isinstance(width, int) and width >= 1

@@ -596,7 +596,7 @@ def start_state(args, run_dir, lang, cfg, world):
         return None
     ckpt = read_checkpoint(path)                 # readable: parse_args has read it already
     diff = [] if ckpt["language"] == lang.spec() else ["its language (the spec differs)"]
-    stored = ckpt.get("model_config")   # through ModelConfig: fields added since get defaults
+    stored = ckpt.get("model_config")
     if cfg is not None and (stored is None or model.ModelConfig(**stored) != cfg):
         diff.append("its model_config")
     if ckpt.get("world", 1) != world:          # data and masks are drawn per (step, rank)
@@ -886,7 +886,7 @@ def merge_stored(args, given):
     if ckpt["kind"] != "mlm" and args.branch_from is not None:
         raise SystemExit(f"train.py: --branch-from {path}: a {ckpt['kind']!r} checkpoint has "
                          f"no network to train on")
-    stored = {"decay_steps": 0, "branch_from": None, **ckpt["args"]}   # older ones lack them
+    stored = {"decay_steps": 0, "branch_from": None, **ckpt["args"]}
     stored.setdefault("warmup_steps", max(1, round(stored["warmup"] * stored["steps"])))
     may_change = set(RUNTIME_ARGS) | {"steps", "name"}
     if args.branch_from is not None:
