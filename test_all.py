@@ -1846,8 +1846,9 @@ p = subprocess.Popen([sys.executable, "train.py", "--lang", lang, "--batch", "32
                       "50", "--runs", runs, "--name", "x", "--steps", "100000", "--log-every", "1",
                       "--eval-every", "100000", "--ckpt-every", "100000"],
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-while not p.stdout.readline().startswith("step "):     # the training loop has begun
-    pass
+line = "?"
+while line and not line.startswith("step "):          # the training loop has begun
+    line = p.stdout.readline()
 p.send_signal(signal.SIGINT)
 time.sleep(gap)
 p.send_signal(signal.SIGINT)
@@ -1868,7 +1869,7 @@ def test_train_two_quick_ctrl_c_lose_nothing(tmp_path):
                                    stdout=subprocess.PIPE, cwd=Path(__file__).parent)
              for gap in (0.0, 0.005, 0.05)}
     for gap, p in procs.items():
-        code, last, traceback = p.communicate(timeout=120)[0].splitlines()
+        code, last, traceback = (p.communicate(timeout=120)[0].splitlines() + ["", "", ""])[:3]
         run = tmp_path / f"g{gap}" / "x"
         saved = re.search(r"interrupted; saved step (\d+) in (\S+);", last)
         assert code == "1" and saved and traceback == "False", (gap, code, last, traceback)
@@ -4210,6 +4211,8 @@ def test_handout_grade_reports_blank_failed_and_passed(tmp_path):
     """--grade on a student copy: mask left blank, lr_schedule written wrong (no warm-up),
     partial_r2 untouched: one line each, with the count of its tests that pass."""
     handout = _handout()
+    if "NotImplementedError('exercise partial_r2:" in Path(probe.__file__).read_text():
+        pytest.skip("needs exercise partial_r2 written: it is the one that passes here")
     out = tmp_path / "class"
     handout.write_handout(str(out), ["mask", "lr_schedule"])
     text = (out / "train.py").read_text()

@@ -24,13 +24,13 @@ import handout  # noqa: E402
 
 # The README's teaching path at toy sizes: (command, the exercises it runs). Each runs in the
 # folder of a student copy, after the commands above it (their files copied in).
-Q = "runs/q-s0/ckpt_0000002.pt runs/q-s0/ckpt_0000004.pt runs/q-s0/ckpt_0000006.pt"
+Q = " ".join(f"runs/q-s0/ckpt_{step:07d}.pt" for step in (2, 4, 6, 8))   # 4: partial r²
 TINY = "--batch 16 --eval-n 20"
 TEACHING_PATH = [
     ("data.py hmm-small --n 20 --out hmm.pt", ["hmm_conditional", "task_label"]),
     ("data.py pcfg-small --n 20 --out pcfg.pt", ["inside", "outside", "pcfg_conditional"]),
     ("model.py --check-grow", ["grow"]),
-    (f"train.py --steps 6 {TINY} --eval-every 2 --ckpt-every 2 --name q-s0",
+    (f"train.py --steps 8 {TINY} --eval-every 2 --ckpt-every 2 --name q-s0",
      ["mask", "mlm_loss", "lr_schedule", "exact_kl"]),
     (f"train.py --lang pcfg-small --preset tf-1m --steps 2 {TINY} --name t", ["attention"]),
     (f"train.py --algo adversarial --steps 2 {TINY} --adv-pool 64 --adv-n1 16 --adv-n2 16 "
@@ -73,10 +73,16 @@ def check_live(name, needed, path):
     steps = [command for command, names in TEACHING_PATH if name in names]
     if not steps:
         return [f"{name}: no step of the teaching path (TEACHING_PATH) runs it"]
-    for entry in os.listdir(path_folder):          # the earlier steps' files
-        src, dst = os.path.join(path_folder, entry), os.path.join(needed, entry)
-        if not os.path.exists(dst):
-            (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, dst)
+    words = shlex.split(steps[0])                  # the step's own run folder is left out
+    own = os.path.join("runs", words[words.index("--name") + 1]) if "--name" in words else None
+    for top, _, files in os.walk(path_folder):     # the other steps' files
+        rel = os.path.relpath(top, path_folder)
+        if own and (rel == own or rel.startswith(own + os.sep)):
+            continue
+        os.makedirs(os.path.join(needed, rel), exist_ok=True)
+        for f in files:
+            if not os.path.exists(os.path.join(needed, rel, f)):
+                shutil.copy(os.path.join(top, f), os.path.join(needed, rel, f))
     code, err = run_script(needed, steps[0])
     if code == 0 or f"exercise {name}:" not in err:
         return [f"{name}: python {steps[0]} does not fail with {name} blanked (exit {code}): "
