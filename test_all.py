@@ -49,6 +49,19 @@ import train
 torch.set_num_threads(1)  # one thread per process is the reliable setting on 2 cores
 
 
+def _differs(a, b):
+    """An assert's message: where two tensors differ most, and by how much."""
+    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    if a.shape != b.shape:
+        return f"shapes differ: {tuple(a.shape)} and {tuple(b.shape)}"
+    diff = (a - b).abs()
+    if diff.numel() == 0:
+        return "empty tensors"
+    where = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+    return (f"largest difference {diff.max().item():.3g} at index {where}: "
+            f"{a[where].item():.6g} vs {b[where].item():.6g}")
+
+
 def exercise(*names):
     """Tag a test as grading exercises: `pytest -k ex_<name>` selects it (pytest's -k matches the
     attribute ex_<name> set on the test function)."""
@@ -71,7 +84,9 @@ def test_data_special_ids_and_one_mask_per_sentence():
     exactly one word of each sentence, never a pad position, and returns what it replaced."""
     for V in (1, 3, 50, 200):
         ids = {data.mask_id(V), data.pad_id(V)}
-        assert len(ids) == 2 and all(V <= i < V + data.N_SPECIAL for i in ids)
+        assert len(ids) == 2, 'expected len(ids) == 2'
+        assert all(V <= i < V + data.N_SPECIAL for i in ids), \
+            'expected all(V <= i < V + data.N_SPECIAL for i in ids)'
     V, T, n = 5, 7, 500
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, T + 1, (n,), generator=gen)
@@ -79,13 +94,17 @@ def test_data_special_ids_and_one_mask_per_sentence():
     tokens[torch.arange(T) >= lengths[:, None]] = data.pad_id(V)
     inputs, targets, positions = data.mask_one(tokens, lengths, V, gen)
     rows = torch.arange(n)
-    assert ((inputs == data.mask_id(V)).sum(1) == 1).all() and (positions < lengths).all()
-    assert torch.equal(targets, tokens[rows, positions])
-    assert (inputs[rows, positions] == data.mask_id(V)).all()
+    assert ((inputs == data.mask_id(V)).sum(1) == 1).all(), \
+        'expected ((inputs == data.mask_id(V)).sum(1) == 1).all()'
+    assert (positions < lengths).all(), 'expected (positions < lengths).all()'
+    assert torch.equal(targets, tokens[rows, positions]), _differs(targets, tokens[rows, positions])
+    assert (inputs[rows, positions] == data.mask_id(V)).all(), \
+        'expected (inputs[rows, positions] == data.mask_id(V)).all()'
     restored = inputs.clone()
     restored[rows, positions] = targets
-    assert torch.equal(restored, tokens)                       # nothing else changed
-    assert (positions == 0).any() and (positions == lengths - 1).any()   # both ends reachable
+    assert torch.equal(restored, tokens), _differs(restored, tokens)
+    assert (positions == 0).any(), 'expected (positions == 0).any()'
+    assert (positions == lengths - 1).any(), 'expected (positions == lengths - 1).any()'
 
 
 @exercise("mask")
@@ -98,7 +117,7 @@ def test_data_mask_position_is_uniform_chi_square():
         tokens = torch.zeros(n, 16, dtype=torch.long)
         _, _, pos = data.mask_one(tokens, torch.full((n,), length), 3, gen)
         counts = pos.bincount(minlength=length).double()
-        assert counts.shape[0] == length                     # never past the sentence's end
+        assert counts.shape[0] == length, 'expected counts.shape[0] == length'
         chi2 = ((counts - 2000) ** 2 / 2000).sum().item()
         df = length - 1                                       # Wilson-Hilferty 0.1% quantile
         z = 3.0902
@@ -189,7 +208,8 @@ def test_data_hmm_forward_backward_by_enumeration():
         observed[1, 2] = observed[2, 0] = observed[2, 3] = False   # unobserved words
         observed[3, 1:] = False                                   # a one-word sentence
         rest = data.hmm_forward_backward(h.init, h.trans, h.emit, tokens, observed)
-        assert rest.shape == (5, 4, h.n_states) and rest.dtype == torch.float64
+        assert rest.shape == (5, 4, h.n_states), 'expected rest.shape == (5, 4, h.n_states)'
+        assert rest.dtype == torch.float64, 'expected rest.dtype == torch.float64'
         for i in range(5):
             x = tokens[i].tolist()
             free = {t for t in range(4) if not observed[i, t]}
@@ -197,7 +217,8 @@ def test_data_hmm_forward_backward_by_enumeration():
                 joint = torch.zeros(h.n_states, dtype=torch.float64)
                 for hs in itertools.product(range(h.n_states), repeat=4):
                     joint[hs[t]] += _data_hmm_joint(h, x, hs, free | {t})
-                assert torch.allclose(rest[i, t], joint / joint.sum(), atol=1e-12, rtol=0)
+                assert torch.allclose(rest[i, t], joint / joint.sum(), atol=1e-12, rtol=0), \
+                    _differs(rest[i, t], joint / joint.sum())
 
 
 @exercise("hmm_conditional")
@@ -210,7 +231,8 @@ def test_data_hmm_conditional_equals_brute_force(which):
     lengths = torch.tensor([4, 4, 3, 2, 1, 4])
     tokens[2, 3] = data.pad_id(h.vocab_size)
     cond = h.mlm_conditional(tokens, lengths)
-    assert cond.dtype == torch.float64 and cond.shape == (6, 4, h.vocab_size)
+    assert cond.dtype == torch.float64, 'expected cond.dtype == torch.float64'
+    assert cond.shape == (6, 4, h.vocab_size), 'expected cond.shape == (6, 4, h.vocab_size)'
     for i in range(6):
         L = int(lengths[i])
         x = tokens[i, :L].tolist()
@@ -221,8 +243,9 @@ def test_data_hmm_conditional_equals_brute_force(which):
                 y[t] = w
                 joint.append(_data_hmm_joint(h, y))
             exact = torch.tensor(joint, dtype=torch.float64) / sum(joint)
-            assert torch.allclose(cond[i, t], exact, atol=1e-10, rtol=0)
-        assert (cond[i, L:] == 0).all()
+            assert torch.allclose(cond[i, t], exact, atol=1e-10, rtol=0), \
+                _differs(cond[i, t], exact)
+        assert (cond[i, L:] == 0).all(), 'expected (cond[i, L:] == 0).all()'
 
 
 @exercise("hmm_conditional")
@@ -238,7 +261,7 @@ def test_data_hmm_masked_words_are_marginalised():
     masked[4, 0] = data.mask_id(V)  # sentence 4: nothing observed but x_2
     cond, cm = h.mlm_conditional(tokens, lengths), h.mlm_conditional(masked, lengths)
     one = [1, 2, 3, 5]  # sentences with a single mask: unchanged conditional there
-    assert torch.allclose(cm[one, 1], cond[one, 1], atol=1e-12)
+    assert torch.allclose(cm[one, 1], cond[one, 1], atol=1e-12), _differs(cm[one, 1], cond[one, 1])
     for i in (0, 3, 4):  # every position against brute force, masked words summed out
         L = int(lengths[i])
         for t in range(L):
@@ -251,23 +274,29 @@ def test_data_hmm_masked_words_are_marginalised():
                     for s, u in zip(free, fill):
                         y[s] = u
                     joint[w] += _data_hmm_joint(h, y)
-            assert torch.allclose(cm[i, t], joint / joint.sum(), atol=1e-10, rtol=0)
+            assert torch.allclose(cm[i, t], joint / joint.sum(), atol=1e-10, rtol=0), \
+                _differs(cm[i, t], joint / joint.sum())
 
 
 @exercise("hmm_conditional")
 def test_data_hmm_default_conditionals_normalised():
     h = data.HMM.random(seed=0)
     tokens, lengths = h.sentences(200, seed=0)
-    assert tokens.shape == (200, 16) and (lengths == 16).all()
+    assert tokens.shape == (200, 16), 'expected tokens.shape == (200, 16)'
+    assert (lengths == 16).all(), 'expected (lengths == 16).all()'
     cond = h.mlm_conditional(tokens, lengths)
-    assert torch.isfinite(cond).all() and (cond >= 0).all()
-    assert torch.allclose(cond.sum(-1), torch.ones(200, 16, dtype=torch.float64), atol=1e-12)
-    assert (cond.gather(2, tokens[..., None]) > 0).all()  # a sentence's own word is possible
+    assert torch.isfinite(cond).all(), 'expected torch.isfinite(cond).all()'
+    assert (cond >= 0).all(), 'expected (cond >= 0).all()'
+    assert torch.allclose(cond.sum(-1), torch.ones(200, 16, dtype=torch.float64), atol=1e-12), \
+        _differs(cond.sum(-1), torch.ones(200, 16, dtype=torch.float64))
+    assert (cond.gather(2, tokens[..., None]) > 0).all(), \
+        'expected (cond.gather(2, tokens[..., None]) > 0).all()'
     short = tokens.clone()
     short[:, 10:] = data.pad_id(h.vocab_size)  # padding beyond the length is ignored
     c2 = h.mlm_conditional(short, torch.full((200,), 10))
-    assert (c2[:, 10:] == 0).all()
-    assert torch.allclose(c2.sum(-1)[:, :10], torch.ones(200, 10, dtype=torch.float64))
+    assert (c2[:, 10:] == 0).all(), 'expected (c2[:, 10:] == 0).all()'
+    assert torch.allclose(c2.sum(-1)[:, :10], torch.ones(200, 10, dtype=torch.float64)), \
+        _differs(c2.sum(-1)[:, :10], torch.ones(200, 10, dtype=torch.float64))
 
 
 def test_data_hmm_fast_path_equals_plain_form():
@@ -314,7 +343,7 @@ def test_data_hmm_state_posterior_equals_brute_force():
             p = _data_hmm_joint(h, x, hs, free)
             for t in range(4):
                 exact[t, hs[t]] += p / px
-        assert torch.allclose(post[i], exact, atol=1e-10, rtol=0)
+        assert torch.allclose(post[i], exact, atol=1e-10, rtol=0), _differs(post[i], exact)
 
 
 @exercise("task_label")
@@ -329,7 +358,8 @@ def test_data_hmm_task_labels_are_bayes_by_enumeration():
         for hs in itertools.product(range(h.n_states), repeat=4):
             post[hs[2]] += _data_hmm_joint(h, x, hs)
         top2 = post.topk(2).values
-        assert labels[i] == post.argmax() or (top2[0] - top2[1]) / post.sum() < 1e-12
+        assert (labels[i] == post.argmax() or (top2[0] - top2[1]) / post.sum() < 1e-12), \
+            'expected (labels[i] == post.argmax() or (top2[0] - top2[1]) / post.sum() < 1e-12)'
 
 
 @exercise("task_label")
@@ -337,14 +367,17 @@ def test_data_hmm_task_labels():
     """The Bayes label predicts the sampled state better than the majority class does; the
     "sampled" variant is the state itself."""
     h = data.HMM.random(12, 20, seed=2, n_blocks=2)
-    assert h.tasks == ["6", "10"] and h.n_classes("10") == 12
+    assert h.tasks == ["6", "10"], 'expected h.tasks == ["6", "10"]'
+    assert h.n_classes("10") == 12, 'expected h.n_classes("10") == 12'
     tokens, lengths, labels = h.task_data("10", 300, seed=3)
-    assert labels.shape == (300,) and labels.dtype == torch.long
-    assert ((labels >= 0) & (labels < 12)).all()
+    assert labels.shape == (300,), 'expected labels.shape == (300,)'
+    assert labels.dtype == torch.long, 'expected labels.dtype == torch.long'
+    assert ((labels >= 0) & (labels < 12)).all(), 'expected ((labels >= 0) & (labels < 12)).all()'
     _, _, states = h.sample(300, seed=3)
     _, _, sampled = h.task_data("10", 300, seed=3, label="sampled")
-    assert torch.equal(sampled, states[:, 9])
-    assert (labels == sampled).double().mean() > torch.bincount(sampled).max() / 300
+    assert torch.equal(sampled, states[:, 9]), _differs(sampled, states[:, 9])
+    assert (labels == sampled).double().mean() > torch.bincount(sampled).max() / 300, \
+        'expected (labels == sampled).double().mean() > torch.bincount(sampled).max() / 300'
 
 
 def test_data_hmm_sampling_matches_joint():
@@ -499,7 +532,9 @@ def test_data_inside_equals_recursion_by_hand():
         tokens = torch.tensor(xs)
         chart = data.inside(g.binary, _data_leaves(g, tokens))
         L = tokens.shape[1]
-        assert chart.shape == (len(xs), L + 1, L + 1, 3) and chart.dtype == torch.float64
+        assert chart.shape == (len(xs), L + 1, L + 1, 3), \
+            'expected chart.shape == (len(xs), L + 1, L + 1, 3)'
+        assert chart.dtype == torch.float64, 'expected chart.dtype == torch.float64'
         for n, x in enumerate(xs):
             _, ins = _data_brute_inside(g, x)
             brute = torch.zeros(L + 1, L + 1, 3, dtype=torch.float64)
@@ -507,7 +542,8 @@ def test_data_inside_equals_recursion_by_hand():
                 for j in range(i + 1, L + 1):
                     brute[i, j] = torch.tensor([ins(i, j, a) for a in range(3)],
                                                dtype=torch.float64)
-            assert torch.allclose(chart[n], brute, atol=1e-14, rtol=1e-12)
+            assert torch.allclose(chart[n], brute, atol=1e-14, rtol=1e-12), \
+                _differs(chart[n], brute)
 
 
 def _data_chart_by_hand(g, xs):
@@ -531,7 +567,8 @@ def test_data_outside_equals_stand_in_subtrees():
                   (data.PCFG(**data.parse_rules(_DATA_RULES)), [[0, 2, 1, 1, 2]])):
         L, S = len(xs[0]), g.n_symbols
         outer = data.outside(g.root, g.binary, _data_chart_by_hand(g, xs))
-        assert outer.shape == (len(xs), L + 1, L + 1, S)
+        assert outer.shape == (len(xs), L + 1, L + 1, S), \
+            'expected outer.shape == (len(xs), L + 1, L + 1, S)'
         for n, x in enumerate(xs):
             for i in range(L):
                 for j in range(i + 1, L + 1):
@@ -548,7 +585,9 @@ def test_data_pcfg_conditional_plain_equals_brute_force():
     g = _data_tiny_pcfg()
     for xs in (_DATA_SAME_LENGTH, [[1, 1, 0, 2, 2]], [[1]]):
         cond = data.pcfg_conditional(g.root, g.binary, g.lexical, torch.tensor(xs))
-        assert cond.shape == (len(xs), len(xs[0]), 3) and cond.dtype == torch.float64
+        assert cond.shape == (len(xs), len(xs[0]), 3), \
+            'expected cond.shape == (len(xs), len(xs[0]), 3)'
+        assert cond.dtype == torch.float64, 'expected cond.dtype == torch.float64'
         for n, x in enumerate(xs):
             for t in range(len(x)):
                 ps = [_data_brute_inside(g, x[:t] + [w] + x[t + 1:])[0] for w in range(3)]
@@ -753,8 +792,9 @@ def test_data_hierarchy_rules_are_the_random_hierarchy_model():
             rules = g.binary[syms]
             if level < L:
                 nxt = slice((level + 1) * v, (level + 2) * v)
-                assert ((rules > 0).sum((1, 2)) == m).all() and (rules[:, nxt, nxt] == 1 / m).sum() \
-                    == v * m, f"level {level}: not {m} rules of 1/{m} onto level {level + 1}"
+                assert ((rules > 0).sum((1, 2)) == m).all() and \
+                    (rules[:, nxt, nxt] == 1 / m).sum() == v * m, \
+                    f"level {level}: not {m} rules of 1/{m} onto level {level + 1}"
                 assert (rules > 0).sum(0).max() == 1, f"level {level}: a pair with two parents"
                 assert (g.lexical[syms] == 0).all()
             else:
@@ -1115,24 +1155,31 @@ def test_model_grow_is_exact(arch, ln, width, extra):
         old = ["blocks.0.", "blocks.1.", "wte", "wpe", "ln_emb", "ln_f", "out_bias"]
         skip = old + ["attn.proj", "mlp.proj"] + (["ln_"] if ln == "post" else [])
         _model_randomise(big, seed=2, skip=skip)
-        assert big.blocks[2].attn.qkv.weight.abs().max() > 1e-1  # really randomised
+        assert big.blocks[2].attn.qkv.weight.abs().max() > 1e-1, \
+            'expected big.blocks[2].attn.qkv.weight.abs().max() > 1e-1'
     tokens, _ = _model_tokens(seed=3)
-    assert (big(tokens) - small(tokens)).abs().max() <= 1e-10
+    assert (big(tokens) - small(tokens)).abs().max() <= 1e-10, \
+        'expected (big(tokens) - small(tokens)).abs().max() <= 1e-10'
     c = big.config
-    assert c.n_layers == 2 + extra and c.d == width * small.config.d
+    assert c.n_layers == 2 + extra, 'expected c.n_layers == 2 + extra'
+    assert c.d == width * small.config.d, 'expected c.d == width * small.config.d'
     expect_heads = (2 * width, 8) if arch == "transformer" else (2, 8 * width)
-    assert (c.n_heads, c.lstm_hidden) == expect_heads
+    assert (c.n_heads, c.lstm_hidden) == expect_heads, \
+        'expected (c.n_heads, c.lstm_hidden) == expect_heads'
     # App. B.1: the representations are replicated (transformer: scaled by 1/width at h_L)
     h, H = small.features(tokens), big.features(tokens)
     if arch == "transformer":
-        assert torch.allclose(H, h.repeat(1, 1, width) / width, atol=1e-10)
+        assert torch.allclose(H, h.repeat(1, 1, width) / width, atol=1e-10), \
+            _differs(H, h.repeat(1, 1, width) / width)
     else:
         fwd, bwd = h.chunk(2, dim=-1)
         replicated = torch.cat([fwd.repeat(1, 1, width), bwd.repeat(1, 1, width)], -1)
-        assert torch.allclose(H, replicated, atol=1e-10)
-    assert model.ModelConfig(**dataclasses.asdict(c)) == c
-    assert model.n_params(big) == _model_count(c) and model.n_params(small) == _model_count(
-        small.config)
+        assert torch.allclose(H, replicated, atol=1e-10), _differs(H, replicated)
+    assert model.ModelConfig(**dataclasses.asdict(c)) == c, \
+        'expected model.ModelConfig(**dataclasses.asdict(c)) == c'
+    assert model.n_params(big) == _model_count(c), 'expected model.n_params(big) == _model_count(c)'
+    assert model.n_params(small) == _model_count( small.config), \
+        'expected model.n_params(small) == _model_count( small.config)'
 
 
 @exercise("grow")
@@ -1141,7 +1188,8 @@ def test_model_grow_leaves_the_source_unchanged(ln):
     small = model.build(_model_config("transformer", ln))
     before = {k: v.clone() for k, v in small.state_dict().items()}
     model.grow(small, 2, 1)
-    assert all(torch.equal(before[k], v) for k, v in small.state_dict().items())
+    assert all(torch.equal(before[k], v) for k, v in small.state_dict().items()), \
+        'expected all(torch.equal(before[k], v) for k, v in small.state_dict().items())'
 
 
 @exercise("grow")
@@ -1150,8 +1198,10 @@ def test_model_grown_blocks_get_gradient(ln):
     big = model.grow(model.build(_model_config("transformer", ln)), 2, 1)
     tokens, _ = _model_tokens()
     big(tokens).square().mean().backward()  # the zeroed projections of the new block get gradient
-    assert big.blocks[2].attn.proj.weight.grad.abs().max() > 0
-    assert big.blocks[2].mlp.proj.weight.grad.abs().max() > 0
+    assert big.blocks[2].attn.proj.weight.grad.abs().max() > 0, \
+        'expected big.blocks[2].attn.proj.weight.grad.abs().max() > 0'
+    assert big.blocks[2].mlp.proj.weight.grad.abs().max() > 0, \
+        'expected big.blocks[2].mlp.proj.weight.grad.abs().max() > 0'
 
 
 def test_model_post_ln_zero_block_changes_function():
@@ -1230,7 +1280,7 @@ def _model_qkv(seed=0, B=3, nh=2, T=5, hd=4):
 def test_model_attention_equals_loops_over_heads_and_queries():
     q, k, v, keep = _model_qkv()
     out = model.attention(q, k, v, keep)
-    assert out.shape == q.shape
+    assert out.shape == q.shape, 'expected out.shape == q.shape'
     torch.testing.assert_close(out, _model_attention_by_loops(q, k, v, keep), rtol=0, atol=1e-12)
     # padded keys are not read: their keys and values may be anything
     k2, v2 = k.clone(), v.clone()
@@ -1479,7 +1529,9 @@ def test_train_adversarial_loss_equals_a_numpy_ridge_fit(n1, alpha):
                                   torch.Generator().manual_seed(3), alpha=alpha)
     R = train.gaussian_projection(4 * 3, train.ADV_PROJ_DIM, torch.Generator().manual_seed(3))
     expect = _train_numpy_loss_d2(feats, tokens, labels, C, pad, n1, R, alpha)
-    assert loss.dim() == 0 and loss.item() == pytest.approx(expect, rel=1e-4)
+    assert loss.dim() == 0, 'expected loss.dim() == 0'
+    assert loss.item() == pytest.approx(expect, rel=1e-4), \
+        'expected loss.item() == pytest.approx(expect, rel=1e-4)'
 
 
 @exercise("adversarial")
@@ -1493,12 +1545,15 @@ def test_train_adversarial_loss_ignores_padding_and_scale_and_has_a_gradient():
                                       torch.Generator().manual_seed(4))
     noisy = feats.clone()
     noisy[tokens == pad] = 100.0
-    assert loss(noisy).item() == loss(feats).item()
-    assert loss(7.0 * feats).item() == pytest.approx(loss(feats).item(), rel=1e-4)
+    assert loss(noisy).item() == loss(feats).item(), \
+        'expected loss(noisy).item() == loss(feats).item()'
+    assert loss(7.0 * feats).item() == pytest.approx(loss(feats).item(), rel=1e-4), \
+        'expected loss(7.0 * feats).item() == pytest.approx(loss(feats).item(), rel=1e-4)'
     f = feats.clone().requires_grad_()
     loss(f).backward()
-    assert torch.isfinite(f.grad).all() and f.grad.abs().max() > 0
-    assert f.grad[tokens == pad].abs().max() == 0
+    assert torch.isfinite(f.grad).all(), 'expected torch.isfinite(f.grad).all()'
+    assert f.grad.abs().max() > 0, 'expected f.grad.abs().max() > 0'
+    assert f.grad[tokens == pad].abs().max() == 0, 'expected f.grad[tokens == pad].abs().max() == 0'
 
 
 def test_train_adversarial_run_logs_finite_losses(tmp_path):
@@ -2034,19 +2089,27 @@ def test_train_lr_schedule_known_values(schedule, decay, known):
     never rising after it, positive at every update."""
     args = _TrainSchedule(schedule, decay)
     lrs = [train.lr_at(i, args) for i in range(100)]
-    assert {i: lrs[i] for i in known} == pytest.approx(known, rel=1e-12)
-    assert all(a < b for a, b in zip(lrs[:10], lrs[1:10]))
-    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and min(lrs) > 0
-    assert train.lr_at(3, _TrainSchedule(schedule, decay, lr=0.02)) == pytest.approx(0.008)
+    assert {i: lrs[i] for i in known} == pytest.approx(known, rel=1e-12), \
+        'expected {i: lrs[i] for i in known} == pytest.approx(known, rel=1e-12)'
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:10])), \
+        'expected all(a < b for a, b in zip(lrs[:10], lrs[1:10]))'
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])), \
+        'expected all(a >= b for a, b in zip(lrs[9:], lrs[10:]))'
+    assert min(lrs) > 0, 'expected min(lrs) > 0'
+    assert train.lr_at(3, _TrainSchedule(schedule, decay, lr=0.02)) == pytest.approx(0.008), \
+        'expected train.lr_at(3, _TrainSchedule(schedule, decay, lr=0.02)) == pytest.approx(0.008)'
 
 
 @exercise("lr_schedule")
 def test_train_lr_schedule_short_runs():
     """One warm-up update is the peak at once; a linear run that is all warm-up stays defined."""
-    assert train.lr_at(0, _TrainSchedule("linear", warmup_steps=1, steps=4)) == 1.0
+    assert train.lr_at(0, _TrainSchedule("linear", warmup_steps=1, steps=4)) == 1.0, \
+        'expected train.lr_at(0, _TrainSchedule("linear", warmup_steps=1, steps=4)) == 1.0'
     assert [train.lr_at(i, _TrainSchedule("linear", warmup_steps=1, steps=4))
-            for i in range(1, 4)] == pytest.approx([1.0, 2 / 3, 1 / 3])
-    assert train.lr_at(1, _TrainSchedule("linear", warmup_steps=2, steps=2)) == 1.0
+            for i in range(1, 4)] == pytest.approx([1.0, 2 / 3, 1 / 3]), \
+        'expected [train.lr_at(i, _TrainSchedule("linear", warmup_steps=1, steps=4)) for i in ra...'
+    assert train.lr_at(1, _TrainSchedule("linear", warmup_steps=2, steps=2)) == 1.0, \
+        'expected train.lr_at(1, _TrainSchedule("linear", warmup_steps=2, steps=2)) == 1.0'
 
 
 @pytest.mark.parametrize("algo, schedule, decay, warmup", [
@@ -2082,15 +2145,19 @@ def test_train_mlm_loss_equals_a_loop_over_masked_positions():
     targets = torch.full((B, T), -100)
     targets[0, 1], targets[1, 4], targets[2, 0], targets[2, 3] = 2, 5, 0, 3
     loss = train.mlm_loss(logits, targets, V)
-    assert loss.dim() == 0 and loss.dtype == torch.float32
-    assert loss.item() == pytest.approx(_train_loss_by_hand(logits, targets, V), rel=1e-6)
+    assert loss.dim() == 0, 'expected loss.dim() == 0'
+    assert loss.dtype == torch.float32, 'expected loss.dtype == torch.float32'
+    assert loss.item() == pytest.approx(_train_loss_by_hand(logits, targets, V), rel=1e-6), \
+        'expected loss.item() == pytest.approx(_train_loss_by_hand(logits, targets, V), rel=1e-6)'
     # the special tokens' logits and the unpredicted positions play no part
     other = logits.clone()
     other[..., V:] = 50.0
     other[0, 0] = other[1, 1] = -7.0
-    assert train.mlm_loss(other, targets, V).item() == loss.item()
+    assert train.mlm_loss(other, targets, V).item() == loss.item(), \
+        'expected train.mlm_loss(other, targets, V).item() == loss.item()'
     # bf16 logits are promoted to float32
-    assert train.mlm_loss(logits.bfloat16(), targets, V).dtype == torch.float32
+    assert train.mlm_loss(logits.bfloat16(), targets, V).dtype == torch.float32, \
+        'expected train.mlm_loss(logits.bfloat16(), targets, V).dtype == torch.float32'
 
 
 @exercise("mlm_loss")
@@ -2586,7 +2653,8 @@ def test_hessian_trace_of_a_uniform_softmax_is_known():
     net = _HessianBiasOnly([0.0] * 5, [0.0] * 5)
     inputs, _, positions = _hessian_masked(n=3)
     mean, std = hessian.trace_hessian(net, inputs, positions, n_samples=3, n_repeats=4)
-    assert mean == pytest.approx(1.6, abs=1e-6) and std < 1e-6
+    assert mean == pytest.approx(1.6, abs=1e-6), 'expected mean == pytest.approx(1.6, abs=1e-6)'
+    assert std < 1e-6, 'expected std < 1e-6'
 
 
 @exercise("trace_hessian")
@@ -2601,7 +2669,8 @@ def test_hessian_trace_std_is_the_sample_std_of_the_repetitions():
     variance = (p * (norms - p @ norms) ** 2).sum().item() / (2 * 2)    # 2 sentences × 2 draws
     stds = [hessian.trace_hessian(net, inputs, positions, n_samples=2, n_repeats=2, seed=s)[1]
             for s in range(300)]
-    assert 0.7 < np.mean(np.square(stds)) / variance < 1.3
+    assert 0.7 < np.mean(np.square(stds)) / variance < 1.3, \
+        'expected 0.7 < np.mean(np.square(stds)) / variance < 1.3'
 
 
 @exercise("trace_hessian")
@@ -2780,7 +2849,8 @@ def test_hessian_noise_covariance_by_enumeration():
     centred = grads - w @ grads
     expect = centred.T @ (w[:, None] * centred)
     got = hessian.gradient_covariance(theta, *shapes, pi, p_true)
-    assert got.shape == (27, 27) and torch.allclose(got, expect, atol=1e-12)
+    assert got.shape == (27, 27), 'expected got.shape == (27, 27)'
+    assert torch.allclose(got, expect, atol=1e-12), _differs(got, expect)
 
 
 @exercise("noise_covariance")
@@ -2791,7 +2861,8 @@ def test_hessian_noise_covariance_is_the_hessian_at_a_minimiser_only():
         H = torch.func.hessian(_hessian_toy_loss)(theta, pi, p_true)
         rel = ((hessian.gradient_covariance(theta, *shapes, pi, p_true) - H).norm()
                / H.norm()).item()
-        assert rel < 1e-10 if at_minimiser else rel > 0.05
+        assert rel < 1e-10 if at_minimiser else rel > 0.05, \
+            'expected rel < 1e-10 if at_minimiser else rel > 0.05'
 
 
 def test_hessian_toy_sample_gradients_match_autograd():
@@ -2932,7 +3003,9 @@ def test_probe_linear_probe_is_exact_on_two_far_apart_clusters_of_any_scale(proj
     x = 1000 + 1000 * x
     correct = probe.linear_probe(x[200:], y[200:], x[:200], y[:200], 2, seed=1, epochs=20,
                                  proj_dim=proj_dim)
-    assert correct.dtype == torch.bool and correct.shape == (200,) and correct.all()
+    assert correct.dtype == torch.bool, 'expected correct.dtype == torch.bool'
+    assert correct.shape == (200,), 'expected correct.shape == (200,)'
+    assert correct.all(), 'expected correct.all()'
 
 
 @exercise("linear_probe")
@@ -2952,7 +3025,8 @@ def test_probe_linear_probe_is_fixed_by_its_seed():
     x, y = _probe_separable(600, 20, 3, seed=2)
     a, b, c = (probe.linear_probe(x[200:], y[200:], x[:200], y[:200], 3, seed=s, epochs=2,
                                   proj_dim=8, batch_size=16) for s in (5, 5, 6))
-    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(a, b), _differs(a, b)
+    assert not torch.equal(a, c), 'expected not torch.equal(a, c)'
 
 
 def _probe_reference(x_train, y_train, x_test, n_classes, seed, proj_dim, epochs,
@@ -3101,8 +3175,10 @@ def test_probe_partial_r2_equals_extra_sum_of_squares():
             return ((y - X @ beta) ** 2).sum(), beta
         (reduced, _), (full, beta) = ssr(z), ssr(z, x)
         r2, sign = probe.partial_r2(y, x, z)
-        assert r2 == pytest.approx((reduced - full) / reduced, abs=1e-12)
-        assert sign == np.sign(beta[2]) == np.sign(coef)
+        assert r2 == pytest.approx((reduced - full) / reduced, abs=1e-12), \
+            'expected r2 == pytest.approx((reduced - full) / reduced, abs=1e-12)'
+        assert sign == np.sign(beta[2]) == np.sign(coef), \
+            'expected sign == np.sign(beta[2]) == np.sign(coef)'
 
 
 @exercise("partial_r2")
@@ -3111,12 +3187,14 @@ def test_probe_partial_r2_known_cases():
     with x's sign; x a linear function of z plus noise independent of y's: r² near 0."""
     z = np.array([0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
     x = np.array([1.0, -1.0, 0.5, 2.0, -0.5, 0.0])
-    assert probe.partial_r2(3 * z - 2 * x + 1, x, z) == pytest.approx((1.0, -1.0))
-    assert probe.partial_r2(-z + 0.5 * x, x, z) == pytest.approx((1.0, 1.0))
+    assert probe.partial_r2(3 * z - 2 * x + 1, x, z) == pytest.approx((1.0, -1.0)), \
+        'expected probe.partial_r2(3 * z - 2 * x + 1, x, z) == pytest.approx((1.0, -1.0))'
+    assert probe.partial_r2(-z + 0.5 * x, x, z) == pytest.approx((1.0, 1.0)), \
+        'expected probe.partial_r2(-z + 0.5 * x, x, z) == pytest.approx((1.0, 1.0))'
     rng = np.random.default_rng(5)
     z = rng.normal(size=2000)
     r2, _ = probe.partial_r2(z + rng.normal(size=2000), 2 * z + rng.normal(size=2000), z)
-    assert r2 < 0.01
+    assert r2 < 0.01, 'expected r2 < 0.01'
 
 
 def _probe_paired_counts(k=1, seed=2):
@@ -3138,10 +3216,12 @@ def test_probe_paired_difference_matches_numpy():
     for j in range(2):
         acc_a, acc_b = a[j] / seeds, b[j] / seeds
         assert diffs[j] == pytest.approx(b[j].sum() / (n * seeds) - a[j].sum() / (n * seeds),
-                                         abs=1e-12)
+                                         abs=1e-12), \
+            'expected diffs[j] == pytest.approx(b[j].sum() / (n * seeds) - a[j].sum() / (n * see...'
         cov = np.cov(acc_a, acc_b)                          # ddof=1
         assert ses[j] == pytest.approx(math.sqrt((cov[0, 0] + cov[1, 1] - 2 * cov[0, 1]) / n),
-                                       rel=1e-9)
+                                       rel=1e-9), \
+            'expected ses[j] == pytest.approx(math.sqrt((cov[0, 0] + cov[1, 1] - 2 * cov[0, 1]) ...'
 
 
 @exercise("paired_difference")
@@ -3149,10 +3229,13 @@ def test_probe_paired_difference_across_training_seeds():
     """The mean over runs and its se, by the statistics module; one run: no se across runs."""
     _, _, seeds, a, b = _probe_paired_counts(k=4, seed=7)
     diffs, _, mean, se_mean = probe.paired_difference(a, b, seeds)
-    assert mean == pytest.approx(statistics.fmean(diffs), abs=1e-12)
-    assert se_mean == pytest.approx(statistics.stdev(diffs) / 2, rel=1e-9)
+    assert mean == pytest.approx(statistics.fmean(diffs), abs=1e-12), \
+        'expected mean == pytest.approx(statistics.fmean(diffs), abs=1e-12)'
+    assert se_mean == pytest.approx(statistics.stdev(diffs) / 2, rel=1e-9), \
+        'expected se_mean == pytest.approx(statistics.stdev(diffs) / 2, rel=1e-9)'
     one = probe.paired_difference(a[:1], b[:1], seeds)
-    assert one[2] == pytest.approx(one[0][0]) and one[3] is None
+    assert one[2] == pytest.approx(one[0][0]), 'expected one[2] == pytest.approx(one[0][0])'
+    assert one[3] is None, 'expected one[3] is None'
 
 
 @exercise("paired_difference")
@@ -3161,7 +3244,8 @@ def test_probe_paired_se_agrees_with_a_bootstrap_over_sentences():
     _, (se,), _, _ = probe.paired_difference(a, b, seeds)
     idx = rng.integers(0, n, size=(2000, n))
     boot = ((b[0][idx] - a[0][idx]) / seeds).mean(1)
-    assert boot.std() == pytest.approx(se, rel=0.1)
+    assert boot.std() == pytest.approx(se, rel=0.1), \
+        'expected boot.std() == pytest.approx(se, rel=0.1)'
 
 
 @exercise("paired_difference")
@@ -3169,7 +3253,7 @@ def test_probe_pairing_lowers_the_se():
     _, n, seeds, a, b = _probe_paired_counts()
     _, (se,), _, _ = probe.paired_difference(a, b, seeds)
     unpaired = np.sqrt((np.var(a / seeds) + np.var(b / seeds)) / n)
-    assert se < 0.8 * unpaired                          # pairing removes the shared test noise
+    assert se < 0.8 * unpaired, 'expected se < 0.8 * unpaired'
 
 
 def test_probe_paired_difference_refuses_other_test_sentences():
@@ -3706,10 +3790,12 @@ def test_dyck_transferable_interpolates_every_support_point():
         for m in (2, 3, 7):
             p = dyck_theory.transferable_solution(T, m)
             assert {k: tuple(v.shape) for k, v in p.items()} == {
-                "Q": (2 * T, 2 * T), "K": (2 * T, 2 * T), "V": (m, 2 * T), "u": (m,)}
-            assert all(v.dtype == torch.float64 for v in p.values())
+                "Q": (2 * T, 2 * T), "K": (2 * T, 2 * T), "V": (m, 2 * T), "u": (m,)}, \
+                'expected {k: tuple(v.shape) for k, v in p.items()} == { "Q": (2 * T, 2 * T), "K...'
+            assert all(v.dtype == torch.float64 for v in p.values()), \
+                'expected all(v.dtype == torch.float64 for v in p.values())'
             f = dyck_theory.model_output(p, X)
-            assert (f - y).abs().max().item() < 1e-12        # f = y on all C(T,T/2)*T*2 inputs
+            assert (f - y).abs().max().item() < 1e-12, 'expected (f - y).abs().max().item() < 1e-12'
 
 
 @exercise("transferable")
@@ -3720,12 +3806,16 @@ def test_dyck_transferable_trace_is_the_closed_form_minimum():
     for m in (2, 5):
         p = dyck_theory.transferable_solution(_DYCK_T, m)
         diag = _dyck_full_hessian_diagonal(p, X, y)
-        assert diag["Q"] == 0 and diag["K"] == 0
-        assert abs(diag["total"] * m * math.sqrt(_DYCK_T) / 4 - 1) < 1e-12
+        assert diag["Q"] == 0, 'expected diag["Q"] == 0'
+        assert diag["K"] == 0, 'expected diag["K"] == 0'
+        assert abs(diag["total"] * m * math.sqrt(_DYCK_T) / 4 - 1) < 1e-12, \
+            'expected abs(diag["total"] * m * math.sqrt(_DYCK_T) / 4 - 1) < 1e-12'
     for alpha in (0.8, 1.25):
         q = _dyck_rescaled(p, alpha)
-        assert torch.allclose(dyck_theory.model_output(q, X), y, atol=1e-12)
-        assert _dyck_full_hessian_diagonal(q, X, y)["total"] > diag["total"] * (1 + 1e-3)
+        assert torch.allclose(dyck_theory.model_output(q, X), y, atol=1e-12), \
+            _differs(dyck_theory.model_output(q, X), y)
+        assert _dyck_full_hessian_diagonal(q, X, y)["total"] > diag["total"] * (1 + 1e-3), \
+            'expected _dyck_full_hessian_diagonal(q, X, y)["total"] > diag["total"] * (1 + 1e-3)'
 
 
 @exercise("transferable")
@@ -3733,18 +3823,26 @@ def test_dyck_transferable_readme_trace():
     """The README's trace at T = 6, m = 160: 0.01020620726 (= 4/(160 sqrt 6))."""
     X, y = _dyck_support()
     p = dyck_theory.transferable_solution(_DYCK_T, 160)
-    assert abs(dyck_theory.hessian_trace(p, X, y)["total"] - 0.01020620726159659) < 1e-15
+    assert abs(dyck_theory.hessian_trace(p, X, y)["total"] - 0.01020620726159659) < 1e-15, \
+        'expected abs(dyck_theory.hessian_trace(p, X, y)["total"] - 0.01020620726159659) < 1e-15'
 
 
 # --------------------------------------------------------------- exercise: lower_bound (Lemma F.1)
 @exercise("lower_bound")
 def test_dyck_lower_bound_readme_values():
-    assert abs(dyck_theory.lower_bound(6, 160) - 0.010206207261596576) < 1e-15   # the README's
-    assert abs(dyck_theory.lower_bound(6, 40) - 0.04082482904638630) < 1e-15
+    assert abs(dyck_theory.lower_bound(6, 160) - 0.010206207261596576) < 1e-15, \
+        'expected abs(dyck_theory.lower_bound(6, 160) - 0.010206207261596576) < 1e-15'
+    assert abs(dyck_theory.lower_bound(6, 40) - 0.04082482904638630) < 1e-15, \
+        'expected abs(dyck_theory.lower_bound(6, 40) - 0.04082482904638630) < 1e-15'
     for T, m in ((6, 7), (8, 3), (10, 64)):
-        assert isinstance(dyck_theory.lower_bound(T, m), float)
-        assert abs(dyck_theory.lower_bound(T, 2 * m) / dyck_theory.lower_bound(T, m) - 0.5) < 1e-15
-        assert abs(dyck_theory.lower_bound(4 * T, m) / dyck_theory.lower_bound(T, m) - 0.5) < 1e-15
+        assert isinstance(dyck_theory.lower_bound(T, m), float), \
+            'expected isinstance(dyck_theory.lower_bound(T, m), float)'
+        assert abs(dyck_theory.lower_bound(T, 2 * m) / dyck_theory.lower_bound(T, m) - 0.5) \
+            < 1e-15, \
+            'expected abs(dyck_theory.lower_bound(T, 2 * m) / dyck_theory.lower_bound(T, m) - 0....'
+        assert abs(dyck_theory.lower_bound(4 * T, m) / dyck_theory.lower_bound(T, m) - 0.5) \
+            < 1e-15, \
+            'expected abs(dyck_theory.lower_bound(4 * T, m) / dyck_theory.lower_bound(T, m) - 0....'
 
 
 @exercise("lower_bound")
@@ -3755,8 +3853,10 @@ def test_dyck_lower_bound_attained_at_the_equality_conditions():
     for m, n_plus, n_minus, seed in ((3, 1, 1, 0), (5, 2, 3, 1), (6, 3, 2, 2)):
         p = _dyck_two_groups(m, n_plus, n_minus, seed)
         bound = dyck_theory.lower_bound(_DYCK_T, m)
-        assert dyck_theory.mlm_loss(p, X, y).item() < 1e-28
-        assert abs(_dyck_full_hessian_diagonal(p, X, y)["total"] / bound - 1) < 1e-12
+        assert dyck_theory.mlm_loss(p, X, y).item() < 1e-28, \
+            'expected dyck_theory.mlm_loss(p, X, y).item() < 1e-28'
+        assert abs(_dyck_full_hessian_diagonal(p, X, y)["total"] / bound - 1) < 1e-12, \
+            'expected abs(_dyck_full_hessian_diagonal(p, X, y)["total"] / bound - 1) < 1e-12'
 
 
 @exercise("lower_bound")
@@ -3769,13 +3869,17 @@ def test_dyck_lower_bound_below_other_zero_loss_solutions():
     p["u"][:2] /= 1.5                                       # ... same f
     others = [p, _dyck_with_attention_gradients(_dyck_two_groups(m, 2, 2, seed=4))]
     for q in others:
-        assert dyck_theory.mlm_loss(q, X, y).item() < 1e-28
+        assert dyck_theory.mlm_loss(q, X, y).item() < 1e-28, \
+            'expected dyck_theory.mlm_loss(q, X, y).item() < 1e-28'
         trace = _dyck_full_hessian_diagonal(q, X, y)["total"]
-        assert trace > dyck_theory.lower_bound(_DYCK_T, m) * (1 + 1e-3)
+        assert trace > dyck_theory.lower_bound(_DYCK_T, m) * (1 + 1e-3), \
+            'expected trace > dyck_theory.lower_bound(_DYCK_T, m) * (1 + 1e-3)'
     m = dyck_theory.rf_min_width(_DYCK_T)
     rf = dyck_theory.random_features_solution(_DYCK_T, m, X, y, seed=0)
-    assert dyck_theory.mlm_loss(rf, X, y).item() < 1e-12
-    assert dyck_theory.hessian_trace(rf, X, y)["total"] > 2 * dyck_theory.lower_bound(_DYCK_T, m)
+    assert dyck_theory.mlm_loss(rf, X, y).item() < 1e-12, \
+        'expected dyck_theory.mlm_loss(rf, X, y).item() < 1e-12'
+    assert dyck_theory.hessian_trace(rf, X, y)["total"] > 2 * dyck_theory.lower_bound(_DYCK_T, m), \
+        'expected dyck_theory.hessian_trace(rf, X, y)["total"] > 2 * dyck_theory.lower_bound(_DY...'
 
 
 # ---------------------------------------------------------------- exercise: dyck_trace (Lemma F.4)
@@ -3785,12 +3889,16 @@ def test_dyck_trace_identity_equals_the_hessian_at_zero_loss():
     X, y = _dyck_support()
     z = _dyck_with_attention_gradients(_dyck_two_groups(4, 2, 2, seed=5))
     ident = dyck_theory.grad_norm_trace(z, X)
-    assert dyck_theory.mlm_loss(z, X, y).item() < 1e-28
+    assert dyck_theory.mlm_loss(z, X, y).item() < 1e-28, \
+        'expected dyck_theory.mlm_loss(z, X, y).item() < 1e-28'
     diag = _dyck_full_hessian_diagonal(z, X, y)
-    assert set(ident) == {"Q", "K", "V", "u", "total"}
+    assert set(ident) == {"Q", "K", "V", "u", "total"}, \
+        'expected set(ident) == {"Q", "K", "V", "u", "total"}'
     for k in ("Q", "K", "V", "u", "total"):
-        assert abs(ident[k] - diag[k]) <= 1e-9 * diag["total"]
-    assert diag["Q"] > 1e-6 and diag["K"] > 1e-6
+        assert abs(ident[k] - diag[k]) <= 1e-9 * diag["total"], \
+            'expected abs(ident[k] - diag[k]) <= 1e-9 * diag["total"]'
+    assert diag["Q"] > 1e-6, 'expected diag["Q"] > 1e-6'
+    assert diag["K"] > 1e-6, 'expected diag["K"] > 1e-6'
 
 
 @exercise("dyck_trace")
@@ -3808,10 +3916,14 @@ def test_dyck_trace_identity_is_twice_the_mean_squared_gradient():
         for k, g in zip(leaves, grads):
             squares[k] += (g ** 2).sum().item()
     for k in ("Q", "K", "V", "u"):
-        assert abs(ident[k] - 2 * squares[k] / len(X)) <= 1e-10 * ident["total"]
-    assert abs(ident["total"] - sum(ident[k] for k in "QKVu")) <= 1e-12 * ident["total"]
-    assert dyck_theory.mlm_loss(p, X, y).item() > 1e-3
-    assert abs(_dyck_full_hessian_diagonal(p, X, y)["total"] / ident["total"] - 1) > 1e-6
+        assert abs(ident[k] - 2 * squares[k] / len(X)) <= 1e-10 * ident["total"], \
+            'expected abs(ident[k] - 2 * squares[k] / len(X)) <= 1e-10 * ident["total"]'
+    assert abs(ident["total"] - sum(ident[k] for k in "QKVu")) <= 1e-12 * ident["total"], \
+        'expected abs(ident["total"] - sum(ident[k] for k in "QKVu")) <= 1e-12 * ident["total"]'
+    assert dyck_theory.mlm_loss(p, X, y).item() > 1e-3, \
+        'expected dyck_theory.mlm_loss(p, X, y).item() > 1e-3'
+    assert abs(_dyck_full_hessian_diagonal(p, X, y)["total"] / ident["total"] - 1) > 1e-6, \
+        'expected abs(_dyck_full_hessian_diagonal(p, X, y)["total"] / ident["total"] - 1) > 1e-6'
 
 
 @exercise("dyck_trace")
@@ -3825,8 +3937,10 @@ def test_dyck_trace_identity_closed_form_under_rescaling():
         q = _dyck_rescaled(_dyck_two_groups(m, 2, 3, seed=6), alpha)
         expected = 2 * (alpha ** 2 + alpha ** -2) / (m * math.sqrt(_DYCK_T))
         ident = dyck_theory.grad_norm_trace(q, X)
-        assert ident["Q"] == 0 and ident["K"] == 0
-        assert abs(ident["total"] / expected - 1) < 1e-12
+        assert ident["Q"] == 0, 'expected ident["Q"] == 0'
+        assert ident["K"] == 0, 'expected ident["K"] == 0'
+        assert abs(ident["total"] / expected - 1) < 1e-12, \
+            'expected abs(ident["total"] / expected - 1) < 1e-12'
 
 
 # ------------------------------------------------------------------ the rest of Section 5 / App. F
