@@ -589,7 +589,7 @@ def parse_args(argv=None):
     setting("--hvp-sentences", "sentences (the first of the above) for eigenvalues, SAM, gap")
     setting("--eig-iters", "Lanczos iterations (HVPs) for the extreme Hessian eigenvalues")
     a("--paper", action="store_true", help="App. B.2's sizes (a GPU job); explicit flags win")
-    a("--fisher-gap", type=data.int_flag(0), default=0,
+    a("--fisher-gap", type=train.NATURAL, default=0,
       help="also report Tr[∇²L] - Tr[G] against the true conditional with this many "
            "Rademacher probes (fisher_gap); 0 = off")
     a("--device", default="cpu", help="cpu (default) or cuda")

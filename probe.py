@@ -650,7 +650,8 @@ def parse_args(argv=None):
     a("--summary", action="store_true", help="one table of the runs' rows, with R² per group")
     a("--compare", nargs=2, action="append", default=[], metavar=("A", "B"), help="with "
       "--summary: accuracy B - A per training seed; GROUP@STEP, STEP a number or last (B: or kl)")
-    a("--min-step", type=data.int_flag(0), default=0, help="with --summary: only checkpoints at steps >= this")
+    a("--min-step", type=train.NATURAL, default=0,
+      help="with --summary: only checkpoints at steps >= this")
     a("--csv", help="with --summary: also write the table to this CSV file")
     a("--plot", help="with --summary: draw the figures to this PNG (needs matplotlib; with "
       "--compare A B@kl: accuracy against KL, pairs joined)")
@@ -659,10 +660,12 @@ def parse_args(argv=None):
       "(App. A.4); no model: the linear probe on one-hot words (a task's floor) or on a PCFG's "
       "exact chart (its ceiling)")
     a("--n-train", type=train.COUNT, default=N_TRAIN, help=f"training examples (default {N_TRAIN})")
-    a("--n-test", type=train.COUNT, default=N_TEST, help=f"held-out test examples (default {N_TEST})")
+    a("--n-test", type=train.COUNT, default=N_TEST,
+      help=f"held-out test examples (default {N_TEST})")
     a("--seeds", type=train.COUNT, default=N_SEEDS, help=f"probe seeds 0..N-1 (default {N_SEEDS})")
     a("--no-projection", action="store_true", help="no 512-d projection (as the authors' code)")
-    a("--epochs", type=train.COUNT, help=f"default {LINEAR_EPOCHS} (linear), {FT_EPOCHS} (fine-tuning)")
+    a("--epochs", type=train.COUNT,
+      help=f"default {LINEAR_EPOCHS} (linear), {FT_EPOCHS} (fine-tuning)")
     a("--device", default="cpu", help="cpu (default) or cuda")
     a("--threads", type=train.COUNT, default=1, help="torch CPU threads (default 1)")
     args = p.parse_args(argv)

@@ -390,7 +390,8 @@ class ShortHelp(argparse.HelpFormatter):
         return {int: "N", float: "X"}.get(action.type, "S")
 
 
-COUNT, SEED = data.int_flag(1), data.int_flag(0, data.SEED_MAX)   # integer flags' ranges
+# integer flags' ranges: >= 1, >= 0, a numpy seed
+COUNT, NATURAL, SEED = data.int_flag(1), data.int_flag(0), data.int_flag(0, data.SEED_MAX)
 
 
 def parse_args(argv=None):
@@ -407,23 +408,25 @@ def parse_args(argv=None):
     a("--lstm-hidden", type=COUNT, help="override the preset's LSTM size per direction (d = 2x)")
     a("--grow-from", metavar="CKPT", help="start from model.grow(CKPT's model) (App. B.1.3)")
     a("--grow-width", type=COUNT, default=2, help="with --grow-from: width factor (default 2)")
-    a("--grow-layers", type=data.int_flag(0), default=0, help="with --grow-from: transformer blocks added")
+    a("--grow-layers", type=NATURAL, default=0, help="with --grow-from: transformer blocks added")
     a("--algo", default="adamw", choices=ALGOS, metavar="S", help=f"{', '.join(ALGOS)}")
-    a("--steps", type=data.int_flag(0), default=3000, help="updates (default 3000; --resume: extends)")
+    a("--steps", type=NATURAL, default=3000, help="updates (default 3000; --resume: extends)")
     a("--batch", type=COUNT, default=256, help="global batch in sentences, split over processes")
     a("--lr", type=float, default=1e-2, help="peak lr (default 1e-2; the paper's 1e-3)")
     a("--warmup", type=float, help="warm-up fraction of --steps (default 0.06; sgd 0.12)")
     a("--schedule", choices=("linear", "const"), metavar="S", help="after warm-up: linear to 0 "
       "or const (sgd's default)")
-    a("--decay-steps", type=data.int_flag(0), default=0, help="const: the last N updates decay to lr 0")
+    a("--decay-steps", type=NATURAL, default=0, help="const: the last N updates decay to lr 0")
     a("--branch-from", metavar="CKPT", help="a new run: CKPT's, lr to 0 over --decay-steps")
     a("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
     a("--mask-rate", type=float, help="mask this fraction of tokens (App. E: 0.15), not one")
     a("--task", help="adversarial: downstream task (default: the language's first)")
     a("--adv-lambda", type=float, default=0.03, help="adversarial: weight of -loss_D2")
     a("--adv-pool", type=data.int_flag(4), default=4096, help="adversarial: downstream sample size")
-    a("--adv-n1", type=data.int_flag(2), default=256, help="adversarial: |D1| (head fitted on it) per step")
-    a("--adv-n2", type=data.int_flag(2), default=256, help="adversarial: |D2| (head scored on it) per step")
+    a("--adv-n1", type=data.int_flag(2), default=256,
+      help="adversarial: |D1| (head fitted on it) per step")
+    a("--adv-n2", type=data.int_flag(2), default=256,
+      help="adversarial: |D2| (head scored on it) per step")
     a("--seed", type=SEED, default=0, help="training seed: init, data order, masks")
     a("--eval-n", type=COUNT, default=1000, help="eval sentences (each masked at every position)")
     a("--eval-every", type=COUNT, default=250, help="evaluate exactly every k steps")
