@@ -1907,7 +1907,11 @@ while line and not line.startswith("step "):          # the training loop has be
 p.send_signal(signal.SIGINT)
 time.sleep(gap)
 p.send_signal(signal.SIGINT)
-out, err = p.communicate()
+try:
+    out, err = p.communicate(timeout=60)
+except subprocess.TimeoutExpired:                     # the signals were lost: a failure
+    p.kill()
+    out, err = p.communicate()
 print(p.returncode)
 print(err.strip().splitlines()[-1] if err.strip() else "")
 print("Traceback" in err)
@@ -1924,7 +1928,11 @@ def test_train_two_quick_ctrl_c_lose_nothing(tmp_path):
                                    stdout=subprocess.PIPE, cwd=Path(__file__).parent)
              for gap in (0.0, 0.005, 0.05)}
     for gap, p in procs.items():
-        code, last, traceback = (p.communicate(timeout=120)[0].splitlines() + ["", "", ""])[:3]
+        try:
+            out = p.communicate(timeout=120)[0]
+        finally:
+            p.kill()                                  # never left running, whatever happened
+        code, last, traceback = (out.splitlines() + ["", "", ""])[:3]
         run = tmp_path / f"g{gap}" / "x"
         saved = re.search(r"interrupted; saved step (\d+) in (\S+);", last)
         assert code == "1" and saved and traceback == "False", (gap, code, last, traceback)
