@@ -274,7 +274,7 @@ def grow(model, width=2, extra_layers=0, seed=0):
         raise ValueError("grow: extra_layers > 0 is not supported for an LSTM: a layer has no "
                          "residual path, so no new layer on top reproduces the old outputs; use "
                          "extra_layers=0 (width is exact)")
-    # BEGIN EXERCISE grow
+    # BEGIN EXERCISE grow requires attention
     k = width
 
     def tile(w, n_row=1, n_col=1):  # w in n_row x n_col blocks, each repeated k x k, over k
