@@ -74,8 +74,9 @@ def pad_id(V):
 def mask_one(tokens, lengths, V, generator=None):
     """Mask one position per sentence, uniform among its words (the paper's default, §2.1).
     tokens [n, T] long, lengths [n]; returns (inputs [n, T]: tokens with mask_id(V) at the
-    masked position, targets [n]: the masked words, positions [n]: where, 0 <= pos < length).
-    One float64 uniform u per sentence from `generator`; position = floor(u * length)."""
+    masked position, targets [n]: the masked words, positions [n]: where, 0 <= pos < length),
+    all long; `tokens` is left unchanged. One float64 uniform u per sentence from
+    `generator` (torch.rand; nothing from the global RNG); position = floor(u * length)."""
     # BEGIN EXERCISE mask
     n = tokens.shape[0]
     u = torch.rand(n, generator=generator, dtype=torch.float64)
@@ -270,7 +271,8 @@ def inside(binary, leaf):
     [i, j), 0 <= i < j <= L (zero elsewhere), filled by increasing width j - i:
         chart[i, i+1, A] = leaf[i, A]
         chart[i, j, A] = Σ_{k=i+1}^{j-1} Σ_{B,C} binary[A, B, C] chart[i, k, B] chart[k, j, C]
-    Pr(x) = Σ_A root[A] chart[0, L, A].
+    Pr(x) = Σ_A root[A] chart[0, L, A]. The chart has leaf's dtype and device (float64 from
+    pcfg_leaves); binary and leaf are not modified.
     """
     # BEGIN EXERCISE inside
     n, L, S = leaf.shape
@@ -294,7 +296,8 @@ def outside(root, binary, chart):
         for each parent span [i, j), widest first, and each split i < k < j:
             outer[i, k, B] += Σ_{A,C} outer[i, j, A] binary[A, B, C] chart[k, j, C]   (left child)
             outer[k, j, C] += Σ_{A,B} outer[i, j, A] binary[A, B, C] chart[i, k, B]   (right child)
-    chart[i, j, A] outer[i, j, A] / Pr(x) = Pr(A spans exactly [i, j) | x).
+    chart[i, j, A] outer[i, j, A] / Pr(x) = Pr(A spans exactly [i, j) | x). outer has chart's
+    shape, dtype and device; the inputs are not modified.
     """
     # BEGIN EXERCISE outside
     n, L = chart.shape[0], chart.shape[1] - 1
@@ -317,6 +320,7 @@ def pcfg_conditional(root, binary, lexical, tokens):
     [n, L] word ids, mask_id(V) where a word is masked (summed out). The outside score of the
     one-word span [t, t+1) does not involve x_t, so, from inside() and outside() on pcfg_leaves:
         Pr(x_t = w | x_-t) ∝ Σ_A outer[t, t+1, A] lexical[A, w]      (normalised over w)
+    in the rules' dtype (float64); a sentence of probability 0 gives NaN rows.
     """
     # BEGIN EXERCISE pcfg_conditional requires inside outside
     t = torch.arange(tokens.shape[1])

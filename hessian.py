@@ -240,7 +240,8 @@ def gradient_covariance(theta, shape_a, shape_b, pi, p_true):
     of one fresh sample c ~ π, y ~ p*(·|c), exactly, by enumerating the C·V pairs (c, y):
         Σ(θ) = E[g gᵀ] - E[g] E[g]ᵀ,   E[g] = ∇L(θ),   Pr(c, y) = π_c p*(y|c);
     per-sample gradients from sample_gradients. At a global minimiser (p_θ = p*) it equals
-    ∇²L(θ) (population_hessian); elsewhere it does not."""
+    ∇²L(θ) (population_hessian); elsewhere it does not. Returns [P, P] in θ's dtype (float64),
+    symmetric; θ is not modified."""
     C, V = p_true.shape
     # BEGIN EXERCISE noise_covariance
     contexts = torch.arange(C).repeat_interleave(V)               # every pair (c, y)
