@@ -30,8 +30,9 @@ N_SPECIAL = 2  # [MASK] and [PAD] follow the V words
 
 # The switch between the paper's plain inside() / outside() (False: what a student writes) and
 # _InsideOutside (True: scaled and block-sparse, held equal by the tests); None picks the plain
-# form up to 32 symbols (pcfg-small, pcfg-deep) and the fast one above (the paper-size grammars:
-# 50 symbols, 32 words, where the plain form is 50 times slower and nears float64 underflow).
+# form up to 32 symbols (pcfg-small, pcfg-deep) and the fast one above (the paper-size grammars,
+# 50 symbols and 32 words, where the plain form is slow and nears float64 underflow; figures in
+# .bench/README.md).
 FAST_INSIDE_OUTSIDE = None
 
 HMM_SMALL = dict(n_states=20, vocab_size=50, n_blocks=2, length=16)  # "hmm-small": CPU scale
