@@ -425,8 +425,8 @@ def sq_grad_norms(net, inputs, positions, labels, chunk_size=None):
     inputs [K, T], positions [K], labels [K], `chunk_size` pairs at a time (default: ~128 MiB
     of per-sample gradients, at most 512). Two routes, equal up to float rounding (tested):
     torch.func's vmap of grad (any model), and for models built of nn.Embedding, nn.Linear and
-    nn.LSTM alone (model.py's LSTMs) one batched backward (_layerwise_sq_norms), taken for them
-    because it is faster."""
+    nn.LSTM alone (model.py's LSTMs) one batched backward (_layerwise_sq_norms), the route
+    taken for them (timings in .bench/README.md)."""
     fnet = vmappable(net)
     params, _ = _params_and_buffers(net)
     one_chunk = (_layerwise_sq_norms if _layerwise_ok(fnet) else _vmap_sq_norms)(fnet, net)
@@ -602,9 +602,7 @@ def parse_args(argv=None):
             setattr(args, key, value)
     if not args.sgd_demo and not args.checkpoints:
         p.error("give checkpoint files (runs/NAME/ckpt_*.pt) or --sgd-demo")
-    bad = [f"--{k.replace('_', '-')} must be >= {m} (got {getattr(args, k)})" for k, m in
-           (("sentences", 1), ("samples", 1), ("repeats", 2), ("hvp_sentences", 1),
-            ("eig_iters", 1), ("fisher_gap", 0), ("threads", 1)) if getattr(args, k) < m]
+    bad = []                               # integer ranges: checked by their argparse types
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         bad.append("--device cuda asked for, but torch.cuda.is_available() is False")
     bad += train.missing_checkpoints(args.checkpoints)

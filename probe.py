@@ -669,9 +669,7 @@ def parse_args(argv=None):
     a("--device", default="cpu", help="cpu (default) or cuda")
     a("--threads", type=train.COUNT, default=1, help="torch CPU threads (default 1)")
     args = p.parse_args(argv)
-    bad = [f"--{k.replace('_', '-')} must be >= 1 (got {getattr(args, k)})"
-           for k in ("threads", "seeds", "epochs", "n_train", "n_test")
-           if getattr(args, k) is not None and getattr(args, k) < 1]
+    bad = []                               # integer ranges: checked by their argparse types
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         bad.append("--device cuda asked for, but torch.cuda.is_available() is False")
     bad += [m for flag, path in (("--csv", args.csv), ("--plot", args.plot))
