@@ -514,8 +514,8 @@ class PCFG:
         toks, lens, labs, got, tried, rnd = [], [], [], 0, 0, 0
         while got < n:
             rate = max(got / tried, 0.05) if tried else 1.0  # fraction of sentences kept so far
-            t, l = self.sentences(int(1.1 * (n - got) / rate) + 16,
-                                  seed=(seed + 1) * 1000003 + rnd)  # not sentences(seed)
+            t, l = self.sentences(int(1.1 * (n - got) / rate) + 16,  # not sentences(seed);
+                                  seed=((seed + 1) * 1000003 + rnd) % 2 ** 63)  # a 63-bit seed
             post = self.task_posterior(task, t, l)
             ok = post.sum(1) > 1e-12
             toks.append(t[ok]), lens.append(l[ok]), labs.append(post[ok].argmax(1))
