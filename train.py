@@ -377,7 +377,7 @@ def one_update(run):
 # ModelConfig fields --n-layers etc. override (tag in the run name); those an arch ignores.
 SIZE_OVERRIDES = {"n_layers": "l", "n_heads": "nh", "lstm_hidden": "h"}
 SIZE_FIELDS_OF_OTHER_ARCH = {"transformer": {"lstm_hidden"}, "lstm": {"n_heads"}}
-RUNTIME_ARGS = {"threads", "device", "compile"}  # may change on resume: speed, never results
+RUNTIME_ARGS = {"threads", "device", "compile"}  # may change on resume: speed and rounding
 
 
 class ShortHelp(argparse.HelpFormatter):
