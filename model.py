@@ -163,11 +163,15 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.d, eps=LN_EPS)
         self.mlp = MLP(config)
 
-    def forward(self, h, keep):
+    def forward(self, h, keep, at=None):
+        """h' [B, T, d]; with `at` [B] (a position per row), only h'[b, at[b]]: [B, d]. The MLP
+        is position-wise, so it may skip the rows no one reads (attention reads them all)."""
+        rows = slice(None) if at is None else (torch.arange(len(at), device=at.device), at)
         if self.pre:
             h = h + self.attn(self.ln_1(h), keep)
+            h = h[rows]
             return h + self.mlp(self.ln_2(h))
-        v = self.ln_1(h + self.attn(h, keep))
+        v = self.ln_1(h + self.attn(h, keep))[rows]
         return self.ln_2(v + self.mlp(v))
 
 
@@ -190,18 +194,20 @@ class Transformer(nn.Module):
         self.out_bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.apply(_init_weights)
 
-    def features(self, tokens):
-        """h_L: last-layer representations [B, T, d]."""
+    def features(self, tokens, at=None):
+        """h_L: last-layer representations [B, T, d]; with `at` (a position per row, [B]) only
+        h_L[b, at[b]], [B, d]: the last block's MLP then runs on B rows, not B * T."""
         keep = _keep_mask(tokens, self.config)
         pos = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.drop(self.ln_emb(self.wte(tokens) + self.wpe(pos)))  # (B, T, d)
-        for block in self.blocks:
-            h = block(h, keep)
+        for i, block in enumerate(self.blocks):
+            h = block(h, keep, at if i == len(self.blocks) - 1 else None)
         return self.ln_f(h) if self.ln_f is not None else h
 
-    def forward(self, tokens):
-        """Logits h_L W_E^T + b, [B, T, vocab_size]."""
-        return self.features(tokens) @ self.wte.weight.T + self.out_bias
+    def forward(self, tokens, at=None):
+        """Logits h_L W_E^T + b, [B, T, vocab_size]; with `at` [B], at those positions: [B,
+        vocab_size] (the MLM loss of one masked word per sentence reads no other)."""
+        return self.features(tokens, at) @ self.wte.weight.T + self.out_bias
 
 
 class LSTM(nn.Module):
@@ -239,9 +245,12 @@ class LSTM(nn.Module):
         return nn.utils.rnn.pad_packed_sequence(out, batch_first=True,
                                                 total_length=tokens.shape[1])[0]
 
-    def forward(self, tokens):
-        """Logits [B, T, vocab_size]."""
-        return self.head(self.drop(self.features(tokens)))
+    def forward(self, tokens, at=None):
+        """Logits [B, T, vocab_size]; with `at` [B], only at position at[b] of row b: [B, vocab]."""
+        h = self.features(tokens)
+        if at is not None:
+            h = h[torch.arange(len(at), device=at.device), at]
+        return self.head(self.drop(h))
 
 
 def grow(model, width=2, extra_layers=0, seed=0):

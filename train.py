@@ -136,8 +136,12 @@ def adversarial_loss(feats, tokens, labels, n_classes, n1, pad, generator, alpha
 def training_objective(objective, inputs, targets, V, args, task_tokens=None, task_labels=None,
                        n_classes=None, generator=None):
     """(L_MLM, the objective the update minimises, loss_D2 or None) for one batch: L_MLM (§2.1),
-    or L_MLM - lambda * loss_D2 for the adversarial algorithm (App. A.4)."""
-    logits, feats = objective(inputs, task_tokens)
+    or L_MLM - lambda * loss_D2 for the adversarial algorithm (App. A.4). With one masked word
+    per sentence the network computes the logits at that position only (model.py's `at`)."""
+    at = None if args.mask_rate is not None else (targets != -100).int().argmax(1)   # (B,)
+    logits, feats = objective(inputs, at, task_tokens)
+    if at is not None:                           # (B, 1, vocab) and (B, 1): mlm_loss's shapes
+        logits, targets = logits[:, None], targets.gather(1, at[:, None])
     loss = mlm_loss(logits, targets, V)
     if feats is None:
         return loss, loss, None
@@ -154,8 +158,8 @@ class Objective(nn.Module):
         super().__init__()
         self.net = net
 
-    def forward(self, inputs, task_tokens=None):
-        logits = self.net(inputs)
+    def forward(self, inputs, at=None, task_tokens=None):
+        logits = self.net(inputs, at)
         feats = None if task_tokens is None else self.net.features(task_tokens)
         return logits, feats
 
@@ -351,7 +355,7 @@ def one_update(run):
         idx = torch.randperm(args.adv_pool, generator=generator(args.seed, "adv", step, run.rank))
         idx = idx[:args.adv_n1 + args.adv_n2]
         task_tokens, task_labels = tokens[idx].to(device), labels[idx].to(device)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16(args, device)):
         loss, total, adv = training_objective(
             run.objective, inputs.to(device), targets.to(device), run.lang.vocab_size, args,
             task_tokens, task_labels, n_classes, generator(args.seed, "proj", step, run.rank))
@@ -370,6 +374,16 @@ def one_update(run):
     run.tokens_window += args.batch * run.lang.max_len
 
 
+def bf16(args, device):
+    """Whether the training step runs under bf16 autocast (--precision): matmuls in bf16; the
+    loss, LayerNorm, softmax, the weights and AdamW's moments stay fp32. "auto" means bf16 on CUDA
+    only: a CPU without bf16 units (no avx512_bf16 or amx_bf16 in /proc/cpuinfo) emulates bf16,
+    slower than fp32; with them, .bench/bench_precision.py measures the gain. Exact quantities
+    (evaluate's KL, hessian.py, probe.py's features, data.py) never autocast: bf16 keeps 8 bits
+    of mantissa, a relative error of 4e-3, on the scale of the KLs they resolve."""
+    return args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
+
+
 # ==================================================================================================
 # plumbing: command line, checks, setup, metrics rows, checkpoints, resume and branch
 # ==================================================================================================
@@ -377,7 +391,8 @@ def one_update(run):
 # ModelConfig fields --n-layers etc. override (tag in the run name); those an arch ignores.
 SIZE_OVERRIDES = {"n_layers": "l", "n_heads": "nh", "lstm_hidden": "h"}
 SIZE_FIELDS_OF_OTHER_ARCH = {"transformer": {"lstm_hidden"}, "lstm": {"n_heads"}}
-RUNTIME_ARGS = {"threads", "device", "compile"}  # may change on resume: speed and rounding
+RUNTIME_ARGS = {"threads", "device", "compile", "precision"}  # may change on resume: speed
+PRECISIONS = ("auto", "fp32", "bf16")                                  # and rounding, not the run
 
 
 class ShortHelp(argparse.HelpFormatter):
@@ -436,6 +451,8 @@ def parse_args(argv=None):
     a("--runs", default="runs", help="parent folder of run directories (default runs/)")
     a("--resume", nargs="?", const="latest", help="continue runs/NAME (or CKPT's run)")
     a("--device", default="cpu", help="cpu (default) or cuda (bf16 autocast)")
+    a("--precision", default="auto", choices=PRECISIONS, metavar="S", help="the training step's"
+      " matmuls: fp32, bf16 (autocast) or auto: bf16 on cuda, fp32 on cpu (see bf16())")
     a("--compile", action="store_true", help="torch.compile the model (GPU runs)")
     a("--threads", type=COUNT, default=1, help="torch threads per process (default 1)")
     args = p.parse_args(argv)
@@ -654,7 +671,11 @@ def start_run(args):
             run.wall0, run.window = ckpt["wall"], LossWindow(*ckpt["window"])
     if rank == 0:
         print(f"{run_dir}: {model.n_params(net):,}-parameter {net.config.arch}, {args.algo}, "
-              f"steps {run.step}..{args.steps}, global batch {args.batch} over {world} proc")
+              f"steps {run.step}..{args.steps}, global batch {args.batch} over {world} proc, "
+              f"{'bf16' if bf16(args, device) else 'fp32'}")
+        if bf16(args, device) and device.type == "cpu" and not cpu_has_bf16():
+            print("train.py: this CPU has no bf16 units: --precision bf16 is emulated, likely "
+                  "slower than fp32", file=sys.stderr)
     if args.grow_from is not None and ckpt is None and rank == 0:
         write_grown(run, source)
         run.t_window = time.time()              # tokens/s of the first row: training time only
@@ -770,6 +791,14 @@ def deferred_interrupts():
     finally:
         for sig, handler in old.items():      # interrupted: the process is on its way out
             signal.signal(sig, signal.SIG_IGN if stop else handler)
+
+
+def cpu_has_bf16():
+    """Whether oneDNN finds bf16 instructions on this CPU (avx512_bf16, amx_bf16)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):      # a private function: absent means unknown
+        return True
 
 
 def stream_seed(seed, stream, *keys):

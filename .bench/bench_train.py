@@ -27,17 +27,19 @@ import model  # noqa: E402
 import train  # noqa: E402
 
 
-def matmul_peak(threads, n=512, reps=20):
-    """fp32 GFLOP/s of an n x n matmul (best of `reps`): the machine's practical peak."""
+def matmul_peak(threads, n=512, reps=20, dtype=torch.float32, m=None):
+    """GFLOP/s of an [m, n] x [n, n] matmul (m = n by default; best of `reps`) in `dtype`: the
+    machine's practical peak at that shape."""
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    m = n if m is None else m
+    a, b = torch.randn(m, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best / 1e9
+    return 2 * m * n * n / best / 1e9
 
 
 def train_flops_per_step(cfg, batch, T):
