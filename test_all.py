@@ -21,6 +21,7 @@ Contents, one section per script in the data-flow order (tests are named test_<s
   dyck_theory.py Theorem 5.1: support, traces, bound, failure probability by enumeration
   repro          the README's experiment chains (E1-E3) end to end at toy size
 """
+import argparse
 import csv
 import dataclasses
 import io
@@ -1131,6 +1132,26 @@ def test_model_padding_invariance(arch, ln):
     # a batch with no padding at all takes the unpacked LSTM path: same answer
     full = tokens[lengths == 12]
     assert torch.allclose(net(full), out[lengths == 12], atol=1e-10)
+
+
+@pytest.mark.parametrize("arch,ln", _MODEL_ARCHS)
+def test_model_logits_at_one_position_per_row_equal_every_position(arch, ln):
+    """net(tokens, at) is net(tokens) read at position at[b] of row b (the last block's MLP runs
+    on those rows only), in float64 to rounding, padded rows included; so are its gradients."""
+    net = _model_randomise(model.build(_model_config(arch, ln)))
+    tokens, lengths = _model_tokens()
+    at = torch.tensor([0, 11, 3, 0, 1, 2]) % lengths
+    rows = torch.arange(6)
+    assert net(tokens, at).shape == (6, _MODEL_V)
+    torch.testing.assert_close(net(tokens, at), net(tokens)[rows, at], rtol=0, atol=1e-12)
+    if arch == "transformer":
+        torch.testing.assert_close(net.features(tokens, at), net.features(tokens)[rows, at],
+                                   rtol=0, atol=1e-12)
+    w = torch.randn(6, _MODEL_V, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    grads = [torch.autograd.grad((f() * w).sum(), list(net.parameters()), allow_unused=True)
+             for f in (lambda: net(tokens, at), lambda: net(tokens)[rows, at])]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
 _MODEL_GROW_CASES = [("transformer", "pre", 2, 0), ("transformer", "pre", 3, 2),
@@ -2349,6 +2370,105 @@ def test_train_sgd_update_is_theta_minus_lr_grad(tmp_path):
     after = _weights(os.path.join(run, "ckpt_0000001.pt"))
     for name, p in net.named_parameters():              # warm-up of 1 step: lr at update 0 = lr
         torch.testing.assert_close(after[name], p.detach() - 0.5 * p.grad, rtol=0, atol=1e-6)
+
+
+def test_train_objective_of_one_masked_word_is_mlm_loss_of_every_position(tmp_path):
+    """The training step reads the logits at the masked position only (model.py's `at`): the
+    same L_MLM as mlm_loss of the logits everywhere, for the LSTM and the transformer."""
+    lang = train.make_language(_train_tiny_lang(tmp_path), 0)
+    for preset in ("lstm-62k", "tf-1m"):
+        args = train.parse_args(_train_args(tmp_path, "--preset", preset))
+        train.check_args(args)
+        net = train.build_model(args, lang)
+        inputs, targets = train.make_batch(lang, args, 3, 0, 32)
+        loss, total, adv = train.training_objective(train.Objective(net), inputs, targets,
+                                                    lang.vocab_size, args)
+        full = train.mlm_loss(net(inputs), targets, lang.vocab_size)
+        torch.testing.assert_close(loss, full, rtol=1e-6, atol=0)
+        assert total is loss and adv is None
+
+
+def test_train_bf16_run_tracks_the_fp32_run(tmp_path):
+    """--precision bf16 (autocast on the CPU) is a different rounding of the same run: its
+    training losses differ from fp32's, by well under a percent after 40 updates."""
+    rows = {}
+    for p in ("fp32", "bf16"):
+        run = train.train(train.parse_args(_train_args(tmp_path, "--steps", 40, "--log-every", 10,
+                                                       "--eval-every", 40, "--precision", p,
+                                                       name=p)))
+        rows[p] = _train_rows(run)
+        assert _weights(os.path.join(run, "ckpt_0000040.pt"))      # a whole run, checkpointed
+    loss = {p: np.array([r["loss"] for r in rows[p]]) for p in rows}
+    assert loss["fp32"][0] > loss["fp32"][-1] + 0.3                   # it trains
+    assert (loss["bf16"] != loss["fp32"]).any()                       # bf16 did run
+    assert np.abs(loss["bf16"] / loss["fp32"] - 1).max() < 0.01
+    assert abs(rows["bf16"][-1]["kl"] - rows["fp32"][-1]["kl"]) < 0.05 * rows["fp32"][-1]["kl"]
+
+
+def test_train_precision_may_change_on_resume(tmp_path):
+    """--precision is a runtime setting, like --compile: resuming may change it."""
+    train.train(train.parse_args(_train_args(tmp_path, "--steps", 2, "--ckpt-every", 1,
+                                             "--precision", "fp32", name="p")))
+    args = train.parse_args(["--runs", str(tmp_path), "--name", "p", "--resume",
+                             train.ckpt_path(os.path.join(tmp_path, "p"), 1), "--precision",
+                             "bf16"])
+    assert args.precision == "bf16"
+    assert train.bf16(args, torch.device("cpu")) and not train.bf16(
+        argparse.Namespace(precision="auto"), torch.device("cpu"))
+    assert train.bf16(argparse.Namespace(precision="auto"), torch.device("cuda"))
+
+
+class _HostOnMeta(torch.overrides.TorchFunctionMode):
+    """Meta tensors stand in for a GPU's: an op mixing them with CPU tensors (not 0-dim, not as
+    indices) fails as it would on CUDA, while what the code copies back to the host (.item(), .cpu(), bool()) comes back as
+    ones: the values are not the point, the devices are."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        name = getattr(func, "__name__", "")
+        tensors = [x for x in torch.utils._pytree.tree_leaves((args, kwargs))
+                   if isinstance(x, torch.Tensor)]
+        if (name not in ("__getitem__", "__setitem__", "to", "copy_")   # CUDA takes CPU indices
+                and any(x.device.type == "meta" for x in tensors)
+                and any(x.device.type == "cpu" and x.dim() > 0 for x in tensors)):
+            raise RuntimeError(f"{name}: a CPU tensor meets the model's device (meta)")
+        if t is not None and t.device.type == "meta":
+            host = {"item": 1.0, "__float__": 1.0, "__bool__": True, "__int__": 1, "__index__": 1}
+            if name in host:
+                return host[name]
+            to_cpu = name == "to" and str(kwargs.get("device", args[1] if len(args) > 1 else "")
+                                          ).startswith("cpu")
+            if name in ("cpu", "tolist", "numpy") or to_cpu:
+                dtype = next((a for a in args[1:] if isinstance(a, torch.dtype)),
+                             kwargs.get("dtype", t.dtype))
+                ones = torch.ones(t.shape, dtype=dtype)
+                return ones.tolist() if name == "tolist" else ones.numpy() if name == "numpy" \
+                    else ones
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("preset", ["lstm-62k", "tf-1m"])
+def test_train_code_runs_with_the_model_off_the_default_device(tmp_path, preset, monkeypatch):
+    """One update, evaluate, the trace estimator and the probe's features with the model on
+    torch's meta device while the default device is the CPU: a tensor the code makes on the
+    default device and mixes with the model's fails here as it would on a GPU."""
+    monkeypatch.setattr("torch.fx.experimental._config.meta_nonzero_assume_all_nonzero", True)
+    args = train.parse_args(_train_args(tmp_path, "--preset", preset, "--precision", "fp32"))
+    train.check_args(args)
+    lang = train.make_language(args.lang, args.lang_seed)
+    meta = torch.device("meta")
+    net = train.build_model(args, lang).to(meta)
+    ev = train.make_eval_set(lang, 10)
+    run = train.Run(args, lang, net, train.Objective(net), train.make_optimizer(net, args), ev,
+                    str(tmp_path), 0, 1, meta)
+    tokens, lengths, _ = lang.task_data(lang.tasks[0], 6, seed=0)
+    with _HostOnMeta():
+        train.one_update(run)
+        assert run.step == 1 and all(p.device == meta for p in net.parameters())
+        assert set(train.evaluate(net, ev, lang.vocab_size, meta)) >= {"kl", "kl_se"}
+        hessian.trace_hessian(net, ev.inputs[:8].to(meta), ev.pos[:8].to(meta), 2, 2, seed=0)
+        assert probe.concat_features(net, tokens, lengths, device=meta).device == meta
 
 
 def test_train_adversarial_objective_is_mlm_minus_lambda_d2(tmp_path):

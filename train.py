@@ -355,7 +355,9 @@ def one_update(run):
         idx = torch.randperm(args.adv_pool, generator=generator(args.seed, "adv", step, run.rank))
         idx = idx[:args.adv_n1 + args.adv_n2]
         task_tokens, task_labels = tokens[idx].to(device), labels[idx].to(device)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16(args, device)):
+    amp = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16(args, device)
+           else contextlib.nullcontext())
+    with amp:
         loss, total, adv = training_objective(
             run.objective, inputs.to(device), targets.to(device), run.lang.vocab_size, args,
             task_tokens, task_labels, n_classes, generator(args.seed, "proj", step, run.rank))
