@@ -2406,12 +2406,13 @@ def test_train_bf16_run_tracks_the_fp32_run(tmp_path):
 
 
 def test_train_precision_may_change_on_resume(tmp_path):
-    """--precision is a runtime setting, like --compile: resuming may change it."""
+    """--precision is a runtime setting, like --compile: a resume keeps it unless it is given."""
     train.train(train.parse_args(_train_args(tmp_path, "--steps", 2, "--ckpt-every", 1,
                                              "--precision", "fp32", name="p")))
-    args = train.parse_args(["--runs", str(tmp_path), "--name", "p", "--resume",
-                             train.ckpt_path(os.path.join(tmp_path, "p"), 1), "--precision",
-                             "bf16"])
+    resume = ["--runs", str(tmp_path), "--name", "p", "--resume",
+              train.ckpt_path(os.path.join(tmp_path, "p"), 1)]
+    assert train.parse_args(resume).precision == "fp32"              # kept unless given
+    args = train.parse_args(resume + ["--precision", "bf16"])
     assert args.precision == "bf16"
     assert train.bf16(args, torch.device("cpu")) and not train.bf16(
         argparse.Namespace(precision="auto"), torch.device("cpu"))

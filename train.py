@@ -12,6 +12,7 @@ fixed held-out set, with its standard error, goes to metrics.jsonl.
   python train.py --name e1 --resume --steps 10000               # ... extended to 10000 steps
   python train.py --branch-from runs/e1/ckpt_0006000.pt --decay-steps 1000   # lr decayed to 0
   python train.py --grow-from runs/e1/ckpt_0003000.pt --grow-width 2   # model.grow (App. B.1.3)
+  python train.py --precision bf16                  # bf16 autocast: faster on CPUs with bf16 units
   torchrun --nproc_per_node=8 train.py --device cuda --compile --lr 1e-3 ...   # DDP on GPUs
 
 Writes runs/NAME/: config.json, metrics.jsonl (a JSON row per log step), ckpt_0000500.pt, ...
@@ -452,9 +453,9 @@ def parse_args(argv=None):
     a("--name", help="run name: runs/NAME/ (default LANG-PRESET-ALGO-sSEED)")
     a("--runs", default="runs", help="parent folder of run directories (default runs/)")
     a("--resume", nargs="?", const="latest", help="continue runs/NAME (or CKPT's run)")
-    a("--device", default="cpu", help="cpu (default) or cuda (bf16 autocast)")
+    a("--device", default="cpu", help="cpu (default) or cuda")
     a("--precision", default="auto", choices=PRECISIONS, metavar="S", help="the training step's"
-      " matmuls: fp32, bf16 (autocast) or auto: bf16 on cuda, fp32 on cpu (see bf16())")
+      " matmuls: fp32, bf16 (autocast) or auto (default): bf16 on cuda, fp32 on cpu")
     a("--compile", action="store_true", help="torch.compile the model (GPU runs)")
     a("--threads", type=COUNT, default=1, help="torch threads per process (default 1)")
     args = p.parse_args(argv)
@@ -675,9 +676,11 @@ def start_run(args):
         print(f"{run_dir}: {model.n_params(net):,}-parameter {net.config.arch}, {args.algo}, "
               f"steps {run.step}..{args.steps}, global batch {args.batch} over {world} proc, "
               f"{'bf16' if bf16(args, device) else 'fp32'}")
-        if bf16(args, device) and device.type == "cpu" and not cpu_has_bf16():
-            print("train.py: this CPU has no bf16 units: --precision bf16 is emulated, likely "
-                  "slower than fp32", file=sys.stderr)
+        if device.type == "cpu" and args.precision != "fp32" and bf16(args, device) != (
+                has := cpu_has_bf16()):       # auto on bf16 units, or bf16 without them
+            print("train.py: this CPU has bf16 units: --precision bf16 trains faster" if has else
+                  "train.py: this CPU has no bf16 units: bf16 is emulated, likely slower than "
+                  "fp32", file=sys.stderr)
     if args.grow_from is not None and ckpt is None and rank == 0:
         write_grown(run, source)
         run.t_window = time.time()              # tokens/s of the first row: training time only
@@ -901,7 +904,8 @@ def load_checkpoint(path, device="cpu"):
 
 def merge_stored(args, given):
     """--resume and --branch-from: the checkpoint's stored arguments. --resume continues a run
-    in its folder, or extends a --schedule const run with --steps N. Only RUNTIME_ARGS, --steps
+    in its folder, or extends a --schedule const run with --steps N. RUNTIME_ARGS keep their
+    stored values unless given. Only RUNTIME_ARGS, --steps
     and (a branch) --decay-steps, --name and the logging periods may be given; another flag
     that differs from its stored value is refused."""
     what = "--resume" if args.branch_from is None else "--branch-from"
@@ -931,7 +935,8 @@ def merge_stored(args, given):
         shown = ", ".join(f"{flag(k)} {vars(args)[k]} (the run's: {stored.get(k)})" for k in diff)
         raise SystemExit(f"train.py: {what} {path}: {shown}: a {what[2:]} keeps its run's "
                          f"arguments; only {', '.join(map(flag, sorted(may_change)))} may change")
-    merged = argparse.Namespace(**{**stored, **{k: getattr(args, k) for k in RUNTIME_ARGS}})
+    merged = argparse.Namespace(**{**stored, **{k: getattr(args, k) for k in RUNTIME_ARGS
+                                                if k in given or k not in stored}})
     if args.branch_from is not None:
         return branch_args(merged, args, given, ckpt)
     merged.resume = path
