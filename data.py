@@ -18,8 +18,11 @@ the spec, read back by torch.load(FILE, weights_only=True)):
     python data.py pcfg-small --n 200 --conditionals --out s.pt         # + exact conditionals
 """
 import argparse
+import contextlib
 import math
 import os
+import signal
+import sys
 import warnings
 
 import numpy as np
@@ -1105,6 +1108,76 @@ def int_flag(lo, hi=None):
     return integer
 
 
+def float_flag(lo=None, hi=None, open_lo=False):
+    """An argparse type: a finite number in [lo, hi] ((lo, hi] with open_lo; None: unbounded)."""
+    def number(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        below = lo is not None and (value <= lo if open_lo else value < lo)
+        if not math.isfinite(value) or below or hi is not None and value > hi:
+            where = (f"{'(' if open_lo else '['}{lo}, " + (f"{hi}]" if hi is not None else
+                                                             "inf), finite")
+                     if lo is not None else "a finite number")
+            raise argparse.ArgumentTypeError(f"must be in {where} (got {text})")
+        return value
+    return number
+
+
+def memory_bytes():
+    """This machine's physical memory in bytes (a large number where it cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 2 ** 50
+
+
+def check_size(n_bytes, what):
+    """Raise ValueError before allocating `n_bytes` for `what` (naming its flag or file) when
+    they exceed this machine's memory: a one-line message, not an out-of-memory kill."""
+    if n_bytes > memory_bytes():
+        raise ValueError(f"{what} needs about {n_bytes / 2 ** 30:,.1f} GiB, more than this "
+                         f"machine's {memory_bytes() / 2 ** 30:,.0f} GiB of memory")
+
+
+def write_whole(path, write, mode="wb"):
+    """Write a file whole or not at all: write(f) into path + ".tmp", then rename it over
+    `path`; on any failure (a full disk, a file-size limit, Ctrl-C) the temporary file is
+    removed and the error re-raised: an older `path` stays as it was."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def append_line(path, line):
+    """Append one line (a JSON row) in one write; on failure the file is cut back to its old
+    length, so no half row is left (a full disk, a file-size limit, a signal)."""
+    with open(path, "ab") as f:
+        size = f.tell()
+        try:
+            f.write((line.rstrip("\n") + "\n").encode())
+            f.flush()
+        except BaseException:
+            with contextlib.suppress(OSError):
+                f.truncate(size)
+            raise
+
+
+def sigterm_as_interrupt():
+    """SIGTERM (a scheduler's kill, `kill PID`) raises KeyboardInterrupt, as Ctrl-C does, so
+    that a script's own interrupt handling covers both."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def unwritable(path, flag, folder=False):
     """Why `path` (a file; with folder=True a folder, created if missing) cannot be written, as
     a message naming `flag`, or None: every output is checked before any work is done."""
@@ -1152,6 +1225,16 @@ def _parser():
 
 def main(argv=None):
     """Command line (App. A.1): sample one language's sentences, task labels and spec."""
+    sigterm_as_interrupt()
+    try:
+        sample_to_file(argv)
+    except KeyboardInterrupt:
+        sys.exit("data.py: interrupted; nothing written (--out is written whole at the end); "
+                 "run the same command again")
+
+
+def sample_to_file(argv=None):
+    """main() without its interrupt handling."""
     p = _parser()
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # one thread per process: two jobs on two cores do not collide
@@ -1178,8 +1261,11 @@ def main(argv=None):
                                          for i in range(0, args.n, 500)])
     h, se = mlm_entropy(lang, n=min(args.n, 1000), seed=args.seed + 2)
     print(f"optimal MLM loss (entropy): {h:.4f} +- {se:.4f} nats")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    torch.save(out, args.out)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        write_whole(args.out, lambda f: torch.save(out, f))
+    except OSError as e:
+        sys.exit(f"data.py: could not write --out {args.out} (nothing written): {e.strerror or e}")
     print(f"wrote {args.out}")
 
 

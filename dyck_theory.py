@@ -20,6 +20,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import sys
 import time
 
@@ -553,6 +554,15 @@ def main(argv=None):
         parser.error(f"--m must be given at T={args.T}: its default (random features that "
                      f"interpolate the support) would be {m}; below "
                      f"{rf_min_width(args.T)} random features cannot reach zero loss")
+    support = min(math.comb(args.T, args.T // 2) * args.T * 2, SAMPLED_SUPPORT)
+    need = 8 * 2 * m * (support + 2 ** min(args.T, ENUM_MAX_T) + 4 * args.T)  # features, grads
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        have = 2 ** 50
+    if need > have:
+        parser.error(f"--m {m} at --T {args.T} needs about {need / 2 ** 30:,.1f} GiB, more than "
+                     f"this machine's {have / 2 ** 30:,.0f} GiB of memory")
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else print
     result, claims, seconds = run_checks(args.T, m, args.n, args.seed, log=log)
     if args.json:

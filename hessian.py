@@ -18,7 +18,8 @@ Run (from the repository root):
 
 Each checkpoint prints and appends to runs/NAME/hessian.jsonl one JSON row: ckpt, step, trace,
 trace_std, top_eigenvalue, min_eigenvalue, sam_sharpness, loss and the settings (progress goes to
-stderr). `--sgd-demo` prints step, loss - entropy and Tr[∇²L].
+stderr); a checkpoint already there with the same settings is skipped, so an interrupted command
+is continued by running it again. `--sgd-demo` prints step, loss - entropy and Tr[∇²L].
 """
 import argparse
 import contextlib
@@ -563,7 +564,7 @@ def measure_checkpoint(path, args):
         p_true = lang.mlm_conditional(x.cpu(), (x != data.pad_id(lang.vocab_size)).sum(1).cpu())
         p_true = p_true[torch.arange(len(x)), pos.cpu()].to(x.device)
         gap, gap_se = fisher_gap(net, x, pos, p_true, args.fisher_gap, DRAW_SEED)
-        row.update(fisher_gap=gap, fisher_gap_se=gap_se)
+        row.update(fisher_gap=gap, fisher_gap_se=gap_se, fisher_gap_probes=args.fisher_gap)
     with torch.no_grad(), measuring(net):
         row["loss"] = pretraining_loss(net, inputs, positions, targets).item()
     row.update(n_sentences=len(inputs), n_samples=args.samples, n_repeats=args.repeats,
@@ -576,6 +577,8 @@ def measure_checkpoint(path, args):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         usage="python hessian.py CKPT ... [options]", formatter_class=train.ShortHelp,
+        epilog="A checkpoint already in its run's hessian.jsonl with the same settings is "
+               "skipped: run an interrupted command again to measure the rest.",
         description=__doc__.split("\n\n")[0] + " (python -m pydoc hessian: every option)")
     a = p.add_argument
     a("checkpoints", nargs="*", help="checkpoint files runs/NAME/ckpt_*.pt (train.py)")
@@ -593,7 +596,7 @@ def parse_args(argv=None):
     a("--fisher-gap", type=train.NATURAL, default=0,
       help="also report Tr[∇²L] - Tr[G] against the true conditional with this many "
            "Rademacher probes (fisher_gap); 0 = off")
-    a("--device", default="cpu", help="cpu (default) or cuda")
+    a("--device", type=train.device_flag, default="cpu", help="cpu (default) or cuda")
     a("--threads", type=train.COUNT, default=1, help="torch CPU threads (default 1)")
     a("--sgd-demo", action="store_true", help="run Theorem 3.3's demonstration instead")
     args = p.parse_args(argv)
@@ -602,10 +605,7 @@ def parse_args(argv=None):
             setattr(args, key, value)
     if not args.sgd_demo and not args.checkpoints:
         p.error("give checkpoint files (runs/NAME/ckpt_*.pt) or --sgd-demo")
-    bad = []                               # integer ranges: checked by their argparse types
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        bad.append("--device cuda asked for, but torch.cuda.is_available() is False")
-    bad += train.missing_checkpoints(args.checkpoints)
+    bad = train.missing_checkpoints(args.checkpoints)   # ranges: checked by the argparse types
     bad += [m for folder in sorted({os.path.dirname(c) for c in args.checkpoints})
             for m in [data.unwritable(os.path.join(folder, "hessian.jsonl"), "the output")] if m]
     if bad:
@@ -632,20 +632,38 @@ def main(argv=None):
         print(f"Tr[∇²L] {rows[0][2]:.3f} -> {rows[-1][2]:.3f} while |loss - entropy| <= "
               f"{max(abs(r[1]) for r in rows):.3f} nats (O(lr) fluctuation around the manifold)")
         return
+    data.sigterm_as_interrupt()
+    written = []
     try:
-        for path in args.checkpoints:      # every file checked before anything is written
-            train.load_checkpoint(path)
-        for i, path in enumerate(args.checkpoints):
+        steps = [train.load_checkpoint(path)[1]["step"]    # every file checked before any write
+                 for path in args.checkpoints]
+        for i, (path, step) in enumerate(zip(args.checkpoints, steps)):
+            out = Path(path).parent / "hessian.jsonl"
+            settings = {"step": step, "n_sentences": args.sentences, "n_samples": args.samples,
+                        "n_repeats": args.repeats, "hvp_sentences": args.hvp_sentences,
+                        "eig_iters": args.eig_iters, "device": args.device,
+                        **({"fisher_gap_probes": args.fisher_gap} if args.fisher_gap else {})}
+            if train.already_measured(out, settings):
+                print(f"[{i + 1}/{len(args.checkpoints)}] {path}: in {out} with these settings "
+                      f"already: skipped", file=sys.stderr)
+                continue
             print(f"[{i + 1}/{len(args.checkpoints)}] {path}: {args.sentences} sentences × "
                   f"{args.samples} samples × {args.repeats} repeats on {args.device}",
                   file=sys.stderr, flush=True)
             row = measure_checkpoint(path, args)
             if row is not None:
                 print(json.dumps(row), flush=True)
-                with open(Path(path).parent / "hessian.jsonl", "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                data.append_line(out, json.dumps(row))
+                written.append(path)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"hessian.py: error: {e}")
+    except OSError as e:
+        sys.exit(f"hessian.py: could not write {e.filename or 'hessian.jsonl'}: {e.strerror or e}"
+                 f" (no partial row is left)")
+    except KeyboardInterrupt:
+        sys.exit(f"hessian.py: interrupted; {len(written)} checkpoint(s) measured and saved in "
+                 f"their runs' hessian.jsonl; run the same command again to measure the rest "
+                 f"(checkpoints measured with the same settings are skipped)")
 
 
 if __name__ == "__main__":

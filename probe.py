@@ -565,10 +565,11 @@ def print_summary(columns, table, csv_path=None, comparisons=()):
         pairs += [p for p in found if p[3] is not None]          # matched by KL: for --plot
     if csv_path:
         os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
-        with open(csv_path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=columns)
+        def write_csv(f):
+            w = csv.DictWriter(f, fieldnames=columns, lineterminator="\n")
             w.writeheader()
             w.writerows({c: "" if r.get(c) is None else r[c] for c in columns} for r in table)
+        data.write_whole(csv_path, write_csv, mode="w")
         print(f"wrote {csv_path}")
     return pairs
 
@@ -602,7 +603,7 @@ def plot_summary(table, path, pairs=()):
     axes[3].legend(fontsize=7)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    data.write_whole(path, lambda f: fig.savefig(f, format="png", dpi=110))
     plt.close(fig)
     print(f"wrote {path}")
 
@@ -633,7 +634,7 @@ def plot_pairs(table, pairs, acc, path, plt):
     ax.title.set_fontsize(8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
+    data.write_whole(path, lambda f: fig.savefig(f, format="png", dpi=100))
     plt.close(fig)
     print(f"wrote {path}")
 
@@ -643,7 +644,8 @@ def parse_args(argv=None):
     """The command line, checked: a bad flag or a missing checkpoint is a one-line usage error."""
     p = argparse.ArgumentParser(
         usage="python probe.py CKPT ... [options] | --summary RUN_DIR ...",
-        formatter_class=train.ShortHelp,
+        formatter_class=train.ShortHelp, epilog="A checkpoint already in its run's probe.jsonl "
+        "with the same settings is skipped: run an interrupted command again to probe the rest.",
         description=__doc__.split("\n\n")[0] + " (python -m pydoc probe: every option)")
     a = p.add_argument
     a("paths", nargs="+", help="checkpoints runs/NAME/ckpt_*.pt; with --summary, run folders")
@@ -666,13 +668,10 @@ def parse_args(argv=None):
     a("--no-projection", action="store_true", help="no 512-d projection (as the authors' code)")
     a("--epochs", type=train.COUNT,
       help=f"default {LINEAR_EPOCHS} (linear), {FT_EPOCHS} (fine-tuning)")
-    a("--device", default="cpu", help="cpu (default) or cuda")
+    a("--device", type=train.device_flag, default="cpu", help="cpu (default) or cuda")
     a("--threads", type=train.COUNT, default=1, help="torch CPU threads (default 1)")
     args = p.parse_args(argv)
-    bad = []                               # integer ranges: checked by their argparse types
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        bad.append("--device cuda asked for, but torch.cuda.is_available() is False")
-    bad += [m for flag, path in (("--csv", args.csv), ("--plot", args.plot))
+    bad = [m for flag, path in (("--csv", args.csv), ("--plot", args.plot))
             for m in [path and data.unwritable(path, flag)] if m]
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         bad.append("--plot needs matplotlib, which is not installed: pip install matplotlib")
@@ -689,6 +688,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    data.sigterm_as_interrupt()
+    written = []
     try:
         if args.summary:
             columns, table = summary_table(args.paths, args.min_step)
@@ -696,20 +697,39 @@ def main(argv=None):
             if args.plot:
                 plot_summary(table, args.plot, pairs)
             return
+        todo = []
         for path in args.paths:            # every file checked before anything is written
             ckpt = train.read_checkpoint(path)
-            checked_task(path, ckpt, data.language_from_spec(ckpt["language"]), args.task,
-                         args.method)
+            task, _ = checked_task(path, ckpt, data.language_from_spec(ckpt["language"]),
+                                   args.task, args.method)
+            out = os.path.join(os.path.dirname(path) or ".", "probe.jsonl")
+            settings = {"step": int(ckpt["step"]), "task": str(task), "method": args.method,
+                        "n_train": args.n_train, "n_test": args.n_test,
+                        "seeds": list(range(args.seeds)), "epochs": args.epochs or (
+                            FT_EPOCHS if args.method == "finetune" else LINEAR_EPOCHS),
+                        "projection": None if args.no_projection or args.method == "finetune"
+                        else PROJ_DIM}
+            if train.already_measured(out, settings):
+                print(f"{path}: in {out} with these settings already: skipped", file=sys.stderr)
+            else:
+                todo.append((path, out))
         cache = {}
-        for path in args.paths:
+        for path, out in todo:
             row = probe_checkpoint(path, args.task, args.method, args.n_train, args.n_test,
                                    args.seeds, None if args.no_projection else PROJ_DIM,
                                    args.epochs, args.device, cache)
             print(json.dumps({k: v for k, v in row.items() if k != "n_correct"}), flush=True)
-            with open(os.path.join(os.path.dirname(path) or ".", "probe.jsonl"), "a") as f:
-                f.write(json.dumps(row) + "\n")
+            data.append_line(out, json.dumps(row))
+            written.append(path)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"probe.py: error: {e}")
+    except OSError as e:
+        sys.exit(f"probe.py: could not write {e.filename or 'a file'}: {e.strerror or e} (no "
+                 f"partial row is left)")
+    except KeyboardInterrupt:
+        sys.exit(f"probe.py: interrupted; {len(written)} checkpoint(s) probed and saved in their "
+                 f"runs' probe.jsonl; run the same command again to probe the rest (checkpoints "
+                 f"probed with the same settings are skipped)")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import math
 import os
 import re
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -1465,7 +1466,7 @@ def test_train_resume_equals_uninterrupted(tmp_path, monkeypatch):
         train.train(train.parse_args(_train_args(tmp_path, *common, name="cut")))
     monkeypatch.setattr(train, "lr_at", real_lr_at)
     cut = os.path.join(tmp_path, "cut")
-    assert sorted(os.listdir(cut))[:2] == ["ckpt_0000020.pt", "ckpt_0000026.pt"]
+    assert sorted(os.listdir(cut))[1:3] == ["ckpt_0000020.pt", "ckpt_0000026.pt"]   # .lock
     # a killed run may have logged past its last checkpoint: those rows must be replaced
     with open(os.path.join(cut, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": 30, "loss": 123.0}) + "\n")
@@ -1674,11 +1675,17 @@ def test_train_checkpoint_is_self_contained(tmp_path):
     (("--algo", "adversarial", "--adv-pool", 10), "at most --adv-pool (10)"),
     (("--algo", "adversarial", "--adv-n1", 1), "argument --adv-n1: must be >= 2 (got 1)"),
     (("--algo", "adversarial", "--task", "Z"), "unknown --task"),
-    (("--mask-rate", 1.5), "--mask-rate must be"),
-    (("--weight-decay", -1), "--weight-decay must be a finite number >= 0"),
-    (("--lr", "inf"), "--lr must be a finite number > 0"),
-    (("--lr", 0), "--lr must be a finite number > 0"),
-    (("--adv-lambda", "nan"), "--adv-lambda must be a finite number >= 0"),
+    (("--mask-rate", 1.5), "argument --mask-rate: must be in (0, 1] (got 1.5)"),
+    (("--weight-decay", -1), "argument --weight-decay: must be in [0, inf), finite (got -1)"),
+    (("--lr", "inf"), "argument --lr: must be in (0, inf), finite (got inf)"),
+    (("--lr", 0), "argument --lr: must be in (0, inf), finite (got 0)"),
+    (("--adv-lambda", "nan"), "argument --adv-lambda: must be in [0, inf), finite (got nan)"),
+    (("--warmup", "inf"), "argument --warmup: must be in [0, 0.999999] (got inf)"),
+    (("--warmup", "nan"), "argument --warmup: must be in [0, 0.999999] (got nan)"),
+    (("--eval-n", 1), "argument --eval-n: must be >= 2 (got 1)"),
+    (("--device", "foo"), "argument --device: 'foo' is not a device"),
+    (("--batch", 10 ** 8), "a batch of --batch 100000000 sentences of up to 6 words needs"),
+    (("--preset", "lstm-62k", "--lstm-hidden", 10 ** 6), "the model (40,000,068,000,012 parameters"),
     (("--decay-steps", 5), "--decay-steps needs --schedule const"),
     (("--schedule", "const", "--steps", 10, "--decay-steps", 10), "not overlap the warm-up"),
     (("--branch-from", "missing.pt", "--decay-steps", 5), "no checkpoint file missing.pt"),
@@ -1690,7 +1697,7 @@ def test_train_checkpoint_is_self_contained(tmp_path):
 ])
 def test_train_bad_flags_are_refused(tmp_path, capsys, extra, message):
     """A usage error (argparse's, on stderr) or train.py's own one line; nothing written."""
-    if extra[0] == "--device" and torch.cuda.is_available():
+    if extra[:2] == ("--device", "cuda") and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     (tmp_path / "file").write_text("")
     extra = [str(x).format(tmp=tmp_path) for x in extra]
@@ -1765,6 +1772,7 @@ def test_train_damaged_checkpoint_is_named(train_finished_run, tmp_path):
     ckpt = torch.load(os.path.join(train_finished_run[0], "a", "ckpt_0000004.pt"),
                       weights_only=True)
     ckpt["model_config"]["lstm_hidden"] = 5                     # weights of another shape
+    del ckpt["sha256"]                          # as written by an older train.py: no checksum
     path = os.path.join(tmp_path, "damaged.pt")
     torch.save(ckpt, path)
     with pytest.raises(ValueError, match="damaged.pt: a damaged train.py checkpoint"):
@@ -1772,6 +1780,51 @@ def test_train_damaged_checkpoint_is_named(train_finished_run, tmp_path):
     with pytest.raises(SystemExit, match="--grow-from: .*damaged.pt: a damaged") as e:
         train.train(train.parse_args(["--grow-from", path, "--runs", str(tmp_path / "runs")]))
     assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "runs")
+
+
+def test_train_checkpoint_checksum_catches_damaged_weights(train_finished_run, tmp_path,
+                                                            capsys):
+    """Bytes of a weight zeroed inside the file (torch.load itself does not notice): the load
+    refuses, naming the file; the intact file loads; a file without a checksum loads with a
+    note."""
+    src = os.path.join(train_finished_run[0], "a", "ckpt_0000004.pt")
+    raw = open(src, "rb").read()
+    weight = torch.load(src, weights_only=True)["model"]["head.weight"]
+    at = raw.find(weight.numpy().tobytes()[:64])
+    assert at > 0
+    path = os.path.join(tmp_path, "ckpt_0000004.pt")
+    with open(path, "wb") as f:
+        f.write(raw[:at] + bytes(64) + raw[at + 64:])
+    assert not torch.equal(torch.load(path, weights_only=True)["model"]["head.weight"], weight)
+    with pytest.raises(ValueError, match="ckpt_0000004.pt is damaged: its contents do not match"):
+        train.load_checkpoint(path)
+    assert train.load_checkpoint(src)[1]["step"] == 4
+    old = torch.load(src, weights_only=True)
+    del old["sha256"]
+    torch.save(old, path)
+    assert train.load_checkpoint(path)[1]["step"] == 4
+    assert "has no checksum" in capsys.readouterr().err
+
+
+def test_train_second_process_on_a_run_folder_is_refused(tmp_path):
+    """While one process trains in runs/NAME, another with the same --name is refused at once
+    and writes nothing there."""
+    args = _train_args(tmp_path, "--steps", 1, name="busy")
+    os.makedirs(tmp_path / "busy")
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1]"
+                               ", 'a+'); fcntl.flock(f, fcntl.LOCK_EX); f.write('4242'); f.flush()"
+                               "; print('locked', flush=True); time.sleep(60)",
+                               str(tmp_path / "busy" / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(SystemExit, match=r"busy is in use by another process \(pid 4242\)"):
+            train.train(train.parse_args(args))
+        assert sorted(os.listdir(tmp_path / "busy")) == [".lock"]
+    finally:
+        holder.kill()
+        holder.wait()
+    train.train(train.parse_args(args))                 # free again: it trains
+    assert os.path.isfile(tmp_path / "busy" / "ckpt_0000001.pt")
 
 
 # ----------------------------------------------------------- bad input, where it enters
@@ -1913,6 +1966,7 @@ def test_hessian_cli_damaged_checkpoint_is_one_line(train_finished_run, tmp_path
     ckpt = torch.load(os.path.join(train_finished_run[0], "a", "ckpt_0000004.pt"),
                       weights_only=True)
     ckpt["model"]["encoder.weight"] = torch.zeros(3, 3)          # one weight of the wrong shape
+    del ckpt["sha256"]                                           # an older train.py's file
     path = str(tmp_path / "ckpt_0000004.pt")
     torch.save(ckpt, path)
     with pytest.raises(SystemExit) as e:
@@ -2012,7 +2066,7 @@ def test_train_resume_fills_model_config_fields_added_later(tmp_path, capsys):
     resume = _train_finished_run(tmp_path)
     path = os.path.join(tmp_path, "a", "ckpt_0000004.pt")
     ckpt = torch.load(path, weights_only=True)
-    del ckpt["model_config"]["dropout"]
+    del ckpt["model_config"]["dropout"], ckpt["sha256"]
     torch.save(ckpt, path)
     capsys.readouterr()
     train.train(train.parse_args(resume))
@@ -2024,7 +2078,7 @@ def test_train_resume_refuses_another_number_of_processes(tmp_path):
     path = os.path.join(tmp_path, "a", "ckpt_0000004.pt")
     ckpt = torch.load(path, weights_only=True)
     ckpt.update(world=2, step=3)                        # written by 2 processes, not finished
-    torch.save(ckpt, path)
+    train.save_checkpoint(path, {k: v for k, v in ckpt.items() if k != "sha256"})
     with pytest.raises(SystemExit, match="number of processes .*nproc_per_node=2"):
         train.train(train.parse_args(resume))
 
@@ -3071,7 +3125,7 @@ def test_hessian_cli_refuses_cuda_on_a_machine_without_it(tmp_path, capsys):
     path = str(_hessian_checkpoint(tmp_path))
     with pytest.raises(SystemExit):
         hessian.parse_args([path, "--device", "cuda"])
-    assert "--device cuda" in capsys.readouterr().err
+    assert "argument --device: cuda asked for" in capsys.readouterr().err
 
 
 def test_hessian_cli_refuses_a_bad_checkpoint_before_writing(tmp_path):
@@ -3785,7 +3839,7 @@ def test_probe_threads_flag(tmp_path):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(1)
-    assert len(probe.read_jsonl(str(tmp_path / "probe.jsonl"))) == 2
+    assert len(probe.read_jsonl(str(tmp_path / "probe.jsonl"))) == 1     # the same: skipped
 
 
 def test_probe_cli_prints_the_row_without_per_sentence_counts(tmp_path, capsys):

@@ -25,6 +25,7 @@ line, checks, run folders, checkpoints, resume and branch).
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -316,6 +317,15 @@ def train(args):
     """Run one training job as the arguments say (see the module docstring)."""
     check_args(args)
     torch.set_num_threads(args.threads)
+    try:
+        return train_run(args)
+    finally:
+        while _LOCKS:                               # the run folder is free again
+            _LOCKS.pop().close()
+
+
+def train_run(args):
+    """train() without the release of the run folder's lock."""
     run = start_run(args)
     if run is None:                                  # a lookup table, or a run already complete
         return os.path.join(args.runs, args.name)
@@ -410,6 +420,20 @@ class ShortHelp(argparse.HelpFormatter):
 
 # integer flags' ranges: >= 1, >= 0, a numpy seed
 COUNT, NATURAL, SEED = data.int_flag(1), data.int_flag(0), data.int_flag(0, data.SEED_MAX)
+POSITIVE, NONNEGATIVE = data.float_flag(0, open_lo=True), data.float_flag(0)   # finite numbers
+
+
+def device_flag(text):
+    """An argparse type: a torch device this machine has (cpu, cuda, cuda:1, ...)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("cuda asked for, but torch.cuda.is_available() is False")
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: only cpu and cuda are supported")
+    return text
 
 
 def parse_args(argv=None):
@@ -430,30 +454,33 @@ def parse_args(argv=None):
     a("--algo", default="adamw", choices=ALGOS, metavar="S", help=f"{', '.join(ALGOS)}")
     a("--steps", type=NATURAL, default=3000, help="updates (default 3000; --resume: extends)")
     a("--batch", type=COUNT, default=256, help="global batch in sentences, split over processes")
-    a("--lr", type=float, default=1e-2, help="peak lr (default 1e-2; the paper's 1e-3)")
-    a("--warmup", type=float, help="warm-up fraction of --steps (default 0.06; sgd 0.12)")
+    a("--lr", type=POSITIVE, default=1e-2, help="peak lr (default 1e-2; the paper's 1e-3)")
+    a("--warmup", type=data.float_flag(0, 0.999999), help="warm-up fraction of --steps "
+      "(default 0.06; sgd 0.12)")
     a("--schedule", choices=("linear", "const"), metavar="S", help="after warm-up: linear to 0 "
       "or const (sgd's default)")
     a("--decay-steps", type=NATURAL, default=0, help="const: the last N updates decay to lr 0")
     a("--branch-from", metavar="CKPT", help="a new run: CKPT's, lr to 0 over --decay-steps")
-    a("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
-    a("--mask-rate", type=float, help="mask this fraction of tokens (App. E: 0.15), not one")
+    a("--weight-decay", type=NONNEGATIVE, default=0.01, help="AdamW weight decay (default 0.01)")
+    a("--mask-rate", type=data.float_flag(0, 1, open_lo=True),
+      help="mask this fraction of tokens (App. E: 0.15), not one")
     a("--task", help="adversarial: downstream task (default: the language's first)")
-    a("--adv-lambda", type=float, default=0.03, help="adversarial: weight of -loss_D2")
+    a("--adv-lambda", type=NONNEGATIVE, default=0.03, help="adversarial: weight of -loss_D2")
     a("--adv-pool", type=data.int_flag(4), default=4096, help="adversarial: downstream sample size")
     a("--adv-n1", type=data.int_flag(2), default=256,
       help="adversarial: |D1| (head fitted on it) per step")
     a("--adv-n2", type=data.int_flag(2), default=256,
       help="adversarial: |D2| (head scored on it) per step")
     a("--seed", type=SEED, default=0, help="training seed: init, data order, masks")
-    a("--eval-n", type=COUNT, default=1000, help="eval sentences (each masked at every position)")
+    a("--eval-n", type=data.int_flag(2), default=1000,
+      help="eval sentences (each masked at every position; >= 2 for the KL's se)")
     a("--eval-every", type=COUNT, default=250, help="evaluate exactly every k steps")
     a("--log-every", type=COUNT, default=50, help="write a training metrics row every k steps")
     a("--ckpt-every", type=COUNT, default=500, help="checkpoint every k steps (and at the last)")
     a("--name", help="run name: runs/NAME/ (default LANG-PRESET-ALGO-sSEED)")
     a("--runs", default="runs", help="parent folder of run directories (default runs/)")
     a("--resume", nargs="?", const="latest", help="continue runs/NAME (or CKPT's run)")
-    a("--device", default="cpu", help="cpu (default) or cuda")
+    a("--device", type=device_flag, default="cpu", help="cpu (default) or cuda")
     a("--precision", default="auto", choices=PRECISIONS, metavar="S", help="the training step's"
       " matmuls: fp32, bf16 (autocast) or auto (default): bf16 on cuda, fp32 on cpu")
     a("--compile", action="store_true", help="torch.compile the model (GPU runs)")
@@ -508,13 +535,8 @@ def check_args(args):
         bad.append("--grow-from grows a network; --algo lookup has none")
     if args.mask_rate is not None and not 0 < args.mask_rate <= 1:
         bad.append(f"--mask-rate must be in (0, 1] (got {args.mask_rate})")
-    if not 0 <= args.warmup < 1:
+    if not 0 <= args.warmup < 1:                # also a stored value from an older checkpoint
         bad.append(f"--warmup is a fraction of --steps in [0, 1) (got {args.warmup})")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        bad.append(f"--lr must be a finite number > 0 (got {args.lr})")
-    bad += [f"{flag(k)} must be a finite number >= 0 (got {getattr(args, k)})"
-            for k in ("weight_decay", "adv_lambda")
-            if not (math.isfinite(getattr(args, k)) and getattr(args, k) >= 0)]
     if args.decay_steps and args.schedule != "const":
         bad.append("--decay-steps needs --schedule const (the linear schedule decays already)")
     elif args.decay_steps and not 0 < args.decay_steps <= args.steps - args.warmup_steps:
@@ -525,7 +547,7 @@ def check_args(args):
     if args.algo == "adversarial" and (min(n1, n2) < 2 or n1 + n2 > args.adv_pool):
         bad.append(f"--adv-n1 and --adv-n2 must be >= 2, their sum ({n1} + {n2}) at most "
                    f"--adv-pool ({args.adv_pool}): D1 and D2 are disjoint subsets of it")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available():     # a stored one
         bad.append("--device cuda asked for, but torch.cuda.is_available() is False")
     if bad:
         raise SystemExit("train.py: " + "; ".join(bad))
@@ -560,8 +582,30 @@ def build_model(args, lang):
     if unused:
         raise SystemExit(f"train.py: {flag(unused[0])} does not apply to preset {args.preset!r}, "
                          f"a {cfg.arch}")
+    check_memory(args, cfg, lang)
     torch.manual_seed(stream_seed(args.seed, "init"))
     return model.build(cfg)
+
+
+def check_memory(args, cfg, lang):
+    """A one-line refusal, naming the flags, before building a model, batch or eval set larger
+    than this machine's memory (float32; AdamW keeps two moments and a gradient per weight)."""
+    with torch.device("meta"):                   # counts the parameters, allocates nothing
+        n = model.n_params(model.build(cfg))
+    T, B = lang.max_len, args.batch
+    if cfg.arch == "transformer":
+        per_token = cfg.n_layers * (16 * cfg.d + 3 * cfg.n_heads * T) + 2 * cfg.vocab_size
+    else:
+        per_token = cfg.n_layers * 24 * cfg.lstm_hidden + 2 * cfg.vocab_size
+    for what, floats in ((f"the model ({n:,} parameters: --preset, --n-layers, --n-heads, "
+                          f"--lstm-hidden, --grow-width)", 4 * n),
+                         (f"a batch of --batch {B} sentences of up to {T} words", B * T * per_token),
+                         (f"the eval set (--eval-n {args.eval_n} sentences, every position masked)",
+                          args.eval_n * T * (T + 2 * lang.vocab_size + 4 * per_token / T))):
+        try:
+            data.check_size(4 * floats, what)
+        except ValueError as e:
+            raise SystemExit(f"train.py: {e}") from None
 
 
 def grow_model(args):
@@ -571,6 +615,10 @@ def grow_model(args):
         small, source, lang = load_checkpoint(args.grow_from)
         if source["kind"] != "mlm":
             raise ValueError(f"{args.grow_from}: a {source['kind']!r} checkpoint has no network")
+        c = small.config
+        wider = ({"n_heads": c.n_heads * args.grow_width, "n_layers": c.n_layers + args.grow_layers}
+                 if c.arch == "transformer" else {"lstm_hidden": c.lstm_hidden * args.grow_width})
+        check_memory(args, model.ModelConfig(**{**vars(c), **wider}), lang)
         big = model.grow(small, width=args.grow_width, extra_layers=args.grow_layers,
                          seed=stream_seed(args.seed, "init"))
     except (FileNotFoundError, ValueError) as e:
@@ -635,8 +683,11 @@ def start_run(args):
     nothing to train (a lookup table is written instead, or the run is complete)."""
     if args.grow_from is None:
         lang = make_language(args.lang, args.lang_seed)
-    else:
+    elif args.resume is None:
         grown, lang, source = grow_model(args)
+    else:                             # a grown run resumed: its own checkpoint, not its source
+        grown, _, lang = load_checkpoint(args.resume)
+        grown.train()
     task = adversary_pool(args, lang)
     rank, world = setup_distributed(args)
     run_dir = os.path.join(args.runs, args.name)
@@ -647,20 +698,22 @@ def start_run(args):
         print(f"{run_dir} is complete: {args.resume} is at step {ckpt['step']} of {args.steps} "
               f"(--steps N, larger, extends a --schedule const run)")
         return None
-    if rank == 0:
+    ev = make_eval_set(lang, args.eval_n) if rank == 0 else None
+    if rank == 0:                     # every check passed: only now is the run folder written
         os.makedirs(run_dir, exist_ok=True)
+        lock_run_folder(run_dir)
         truncate_metrics(os.path.join(run_dir, "metrics.jsonl"),   # rows past the checkpoint
                          ckpt["step"] if args.resume is not None else -1)
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump({"args": vars(args), "language": lang.spec(),
-                       "model_config": None if net is None else dataclasses.asdict(net.config),
-                       "n_params": 0 if net is None else model.n_params(net)}, f, indent=1)
+        config = {"args": vars(args), "language": lang.spec(),
+                  "model_config": None if net is None else dataclasses.asdict(net.config),
+                  "n_params": 0 if net is None else model.n_params(net)}
+        data.write_whole(os.path.join(run_dir, "config.json"),
+                         lambda f: json.dump(config, f, indent=1), mode="w")
     if net is None:
-        return write_lookup(args, lang, run_dir) if rank == 0 else None
+        return write_lookup(args, lang, run_dir, ev) if rank == 0 else None
     device = torch.device(args.device)
     net.to(device)
     opt = make_optimizer(net, args)
-    ev = make_eval_set(lang, args.eval_n) if rank == 0 else None
     objective = torch.compile(Objective(net)) if args.compile else Objective(net)
     if world > 1:
         objective = nn.parallel.DistributedDataParallel(
@@ -725,9 +778,8 @@ def write_step_0(run_dir, net, ev, V, device="cpu", **extra):
     return row
 
 
-def write_lookup(args, lang, run_dir):
+def write_lookup(args, lang, run_dir, ev):
     """App. A.4's lookup table: its eval row (KL ~1e-15) and a checkpoint of kind "lookup"."""
-    ev = make_eval_set(lang, args.eval_n)
     row = write_step_0(run_dir, LookupTable(lang), ev, lang.vocab_size, eval_n=args.eval_n)
     save_checkpoint(ckpt_path(run_dir, 0), {"kind": "lookup", "model": {}, "optimizer": {},
                     "step": 0, "rng": {}, "language": lang.spec(), "args": vars(args)})
@@ -743,9 +795,20 @@ def write_grown(run, source):
 
 
 def append_row(run_dir, row):
-    """One JSON line appended to runs/NAME/metrics.jsonl."""
-    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
+    """One JSON line appended to runs/NAME/metrics.jsonl, whole or not at all."""
+    data.append_line(os.path.join(run_dir, "metrics.jsonl"), json.dumps(row))
+
+
+def already_measured(path, row):
+    """Whether the JSON-lines file `path` (hessian.jsonl, probe.jsonl) holds a row with the
+    entries of `row` (a checkpoint's step and the settings that made it): re-running a command
+    skips what is done instead of appending a second, identical row."""
+    try:
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return False
+    return any(isinstance(r, dict) and all(r.get(k) == v for k, v in row.items()) for r in rows)
 
 
 def truncate_metrics(path, step):
@@ -767,9 +830,7 @@ def truncate_metrics(path, step):
             print(f"train.py: {path}: dropped its half-written last line", file=sys.stderr)
         if isinstance(row, dict) and row.get("step", step + 1) <= step:
             rows.append(json.dumps(row) + "\n")
-    with open(path + ".tmp", "w") as f:
-        f.writelines(rows)
-    os.replace(path + ".tmp", path)
+    data.write_whole(path, lambda f: f.writelines(rows), mode="w")
 
 
 def fmt_time(s):
@@ -845,9 +906,57 @@ def list_checkpoints(run_dir):
 
 
 def save_checkpoint(path, ckpt):
-    """torch.save to a temporary file, then rename: a crash never leaves half a checkpoint."""
-    torch.save(ckpt, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    """torch.save, whole or not at all (data.write_whole), with the checksum of its contents."""
+    data.write_whole(path, lambda f: torch.save({**ckpt, "sha256": checkpoint_digest(ckpt)}, f))
+
+
+def checkpoint_digest(ckpt):
+    """sha256 of a checkpoint's contents: every tensor's dtype, shape and bytes and every other
+    value's repr, keys in order. Stored in the file and checked on load: torch.load does not
+    verify a zip's own checksums, so damaged weights would load without a word."""
+    h = hashlib.sha256()
+
+    def walk(x):
+        if isinstance(x, dict):
+            for k in sorted(x, key=repr):
+                h.update(repr(k).encode())
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            h.update(f"{type(x).__name__}{len(x)}".encode())
+            for v in x:
+                walk(v)
+        elif torch.is_tensor(x):
+            t = x.detach().cpu().contiguous().reshape(-1)
+            h.update(f"{t.dtype}{tuple(x.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(x).encode())
+    walk(ckpt)
+    return h.hexdigest()
+
+
+def lock_run_folder(run_dir):
+    """Hold an exclusive lock on runs/NAME/.lock until train() returns, or refuse: two
+    processes writing one run folder would interleave their rows and checkpoints."""
+    try:
+        import fcntl                              # POSIX; elsewhere runs are not locked
+    except ImportError:
+        return
+    f = open(os.path.join(run_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        raise SystemExit(f"train.py: {run_dir} is in use by another process (pid "
+                         f"{f.read().strip() or '?'}); wait for it, or give another --name")
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    _LOCKS.append(f)                              # kept open: the lock lives with the file
+
+
+_LOCKS = []
+_UNCHECKED = set()        # checkpoints without a checksum, noted once each
 
 
 def missing_checkpoints(paths):
@@ -871,6 +980,14 @@ def read_checkpoint(path, device="cpu"):
     if not (isinstance(ckpt, dict) and need <= set(ckpt) and ckpt["kind"] in ("mlm", "lookup")):
         raise ValueError(f"{path} is not a train.py checkpoint (a dict with "
                          f"{', '.join(sorted(need))}; train.py writes runs/NAME/ckpt_*.pt)")
+    stored = ckpt.pop("sha256", None)
+    if stored is None and path not in _UNCHECKED:
+        _UNCHECKED.add(path)
+        print(f"note: {path} has no checksum (an older train.py wrote it): loaded unverified",
+              file=sys.stderr)
+    elif stored is not None and stored != checkpoint_digest(ckpt):
+        raise ValueError(f"{path} is damaged: its contents do not match their checksum (restore "
+                         f"it, or resume from an earlier checkpoint)")
     config = os.path.join(os.path.dirname(path), "config.json")
     try:                       # a run's rows and its checkpoints must be of one language
         with open(config) as f:
@@ -930,7 +1047,8 @@ def merge_stored(args, given):
     if args.branch_from is not None:
         may_change |= {"decay_steps", "eval_every", "log_every", "ckpt_every", "runs"}
     diff = [k for k in sorted(given - may_change - {"resume", "branch_from"})
-            if vars(args)[k] != stored.get(k)]
+            if vars(args)[k] != stored.get(k) and not (
+                k == "runs" and os.path.realpath(args.runs) == os.path.realpath(stored["runs"]))]
     if diff:
         shown = ", ".join(f"{flag(k)} {vars(args)[k]} (the run's: {stored.get(k)})" for k in diff)
         raise SystemExit(f"train.py: {what} {path}: {shown}: a {what[2:]} keeps its run's "
@@ -940,7 +1058,8 @@ def merge_stored(args, given):
     if args.branch_from is not None:
         return branch_args(merged, args, given, ckpt)
     merged.resume = path
-    merged.runs = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    runs = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    merged.runs = args.runs if os.path.realpath(args.runs) == os.path.realpath(runs) else runs
     merged.name = os.path.basename(os.path.dirname(os.path.abspath(path)))
     if "steps" in given and args.steps != stored["steps"]:
         if args.steps < ckpt["step"]:
@@ -984,6 +1103,10 @@ def main(argv=None):
         raise SystemExit("train.py: interrupted before training started; nothing to save")
     except ValueError as e:         # the language's or the model's own one-line message
         raise SystemExit(f"train.py: error: {e}") from None
+    except OSError as e:            # a full disk, a file-size limit, a folder refusing writes
+        raise SystemExit(f"train.py: could not write {e.filename or 'a file'}: {e.strerror or e}"
+                         f" (every file is written whole or not at all: the run's last checkpoint"
+                         f" is whole; free space, then resume)") from None
 
 
 if __name__ == "__main__":
