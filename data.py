@@ -516,13 +516,17 @@ class PCFG:
         self._span_length(task)
         toks, lens, labs, got, tried, rnd = [], [], [], 0, 0, 0
         while got < n:
-            rate = max(got / tried, 0.05) if tried else 1.0  # fraction of sentences kept so far
-            t, l = self.sentences(int(1.1 * (n - got) / rate) + 16,  # not sentences(seed);
+            rate = 1.0 if not tried else max(got / tried, 0.05) if got else 1e-3   # kept so far
+            m = min(int(1.1 * (n - got) / rate) + 16, 22 * n + 10_000)
+            t, l = self.sentences(m,                                # not sentences(seed);
                                   seed=((seed + 1) * 1000003 + rnd) % 2 ** 63)  # a 63-bit seed
             post = self.task_posterior(task, t, l)
             ok = post.sum(1) > 1e-12
             toks.append(t[ok]), lens.append(l[ok]), labs.append(post[ok].argmax(1))
             got, tried, rnd = got + int(ok.sum()), tried + len(l), rnd + 1
+            if got < n and tried >= 10_000 and 1000 * got < tried:   # never, or almost never
+                raise ValueError(f"task {task!r}: only {got} of {tried:,} sentences have its "
+                                 f"span as one constituent; it cannot give {n} examples")
         return torch.cat(toks)[:n], torch.cat(lens)[:n], torch.cat(labs)[:n]
 
     def _span_length(self, task):
@@ -577,14 +581,27 @@ def language_from_spec(spec):
         raise ValueError(f"unknown language kind {kind!r}; expected one of ['hmm', 'pcfg']")
     try:
         if kind == "hmm":
+            S, V = len(spec["init"]), len(spec["emit"][0]) if spec["emit"] else 0
+            _check_count(spec["length"], "length")
+            check_size(8 * (3 * S * S + 4 * S * V), f"the hmm spec's {S} states x {V} words")
             return HMM(spec["init"], spec["trans"], spec["emit"], length=spec["length"])
-        S, V = spec["n_symbols"], spec["vocab_size"]
+        S, V = (_check_count(spec[k], k) for k in ("n_symbols", "vocab_size"))
+        _check_count(spec["max_len"], "max_len")       # batches are padded to it: train.py
+        check_size(8 * 6 * S * (S * S + V), f"the pcfg spec's {S} symbols (a {S} x {S} x {S} "
+                   f"rule table)")
         binary = torch.zeros(S, S, S, dtype=torch.float64)
         lexical = torch.zeros(S, V, dtype=torch.float64)
-        for a, b, c, p in spec["binary_rules"]:
-            binary[a, b, c] = p
-        for a, w, p in spec["lexical_rules"]:
-            lexical[a, w] = p
+        for table, rules, n in ((binary, spec["binary_rules"], 3), (lexical, spec["lexical_rules"],
+                                                                   2)):
+            for rule in rules:
+                *ids, p = rule
+                if len(ids) != n or not all(type(i) is int and 0 <= i < d
+                                            for i, d in zip(ids, table.shape)):
+                    raise ValueError(f"rule {rule!r} must be {n} ids (symbols < {S}, words < {V})"
+                                     f" and a probability")
+                if table[tuple(ids)] != 0:
+                    raise ValueError(f"rule {ids} is listed twice")
+                table[tuple(ids)] = float(p)
         return PCFG(spec["root"], binary, lexical, max_len=spec["max_len"],
                     symbols=spec.get("symbols"), words=spec.get("words"),
                     origin=spec.get("origin"), span_tasks=spec.get("span_tasks"))
@@ -592,6 +609,13 @@ def language_from_spec(spec):
         raise ValueError(f"{kind} spec lacks the entry {e}") from None
     except (TypeError, IndexError, ValueError) as e:
         raise ValueError(f"{kind} spec is malformed: {e}") from None
+
+
+def _check_count(v, name):
+    """`v` if it is an integer >= 1 (not a bool), else a ValueError naming the spec entry."""
+    if type(v) is not int or v < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    return v
 
 
 def _as_float64(x, name):
@@ -1150,23 +1174,28 @@ def write_whole(path, write, mode="wb"):
         with open(tmp, mode) as f:
             write(f)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        if isinstance(e, OSError) and e.errno is not None:
+            raise OSError(e.errno, e.strerror, str(path)) from None   # the file, named
         raise
 
 
 def append_line(path, line):
     """Append one line (a JSON row) in one write; on failure the file is cut back to its old
     length, so no half row is left (a full disk, a file-size limit, a signal)."""
-    with open(path, "ab") as f:
-        size = f.tell()
+    with open(path, "ab", buffering=0) as f:
+        size = f.seek(0, os.SEEK_END)
         try:
-            f.write((line.rstrip("\n") + "\n").encode())
-            f.flush()
-        except BaseException:
+            rest = memoryview((line.rstrip("\n") + "\n").encode())
+            while rest:                               # a write may land in part, then fail
+                rest = rest[f.write(rest):]
+        except BaseException as e:
             with contextlib.suppress(OSError):
-                f.truncate(size)
+                os.ftruncate(f.fileno(), size)
+            if isinstance(e, OSError) and e.errno is not None:
+                raise OSError(e.errno, e.strerror, str(path)) from None
             raise
 
 

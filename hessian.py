@@ -652,9 +652,9 @@ def main(argv=None):
                   file=sys.stderr, flush=True)
             row = measure_checkpoint(path, args)
             if row is not None:
-                print(json.dumps(row), flush=True)
-                data.append_line(out, json.dumps(row))
+                data.append_line(out, json.dumps(row))      # saved, then shown
                 written.append(path)
+                print(json.dumps(row), flush=True)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"hessian.py: error: {e}")
     except OSError as e:

@@ -454,7 +454,7 @@ def compare(table, setting, spec_a, spec_b):
         return r["n_correct"][setting]
 
     def describe(r):
-        return (f"{r['run']}@{r['step']} (KL {r['kl']:.4f} ± {r['kl_se']:.4f}, Tr "
+        return (f"{r['run']}@{r['step']} (KL {_fmt(r.get('kl'))} ± {_fmt(r.get('kl_se'))}, Tr "
                 f"{_fmt(r.get('trace'))}, acc {r[acc]:.4f})")
     lines, pairs = [], []
     for group in sorted({r["group"] for r in table if fnmatch.fnmatchcase(r["group"], ga)}):
@@ -465,8 +465,23 @@ def compare(table, setting, spec_a, spec_b):
         matches = []                      # (A's row, B's rows best first, KL margin or None)
         for seed in seeds:
             a, rows_b = at(rows_of(group, seed), sa, spec_a), rows_of(gb, seed)
-            matches.append((a, *(([at(rows_b, sb, spec_b)], None) if sb != "kl" else match_kl(
-                a["kl"], a["kl_se"], [r for r in rows_b if _finite(r.get("kl_se"))]))))
+            if sb != "kl":
+                b = at(rows_b, sb, spec_b)
+                if (b["run"], b["step"]) == (a["run"], a["step"]):
+                    raise ValueError(f"--compare {spec_a} {spec_b}: A and B are the same "
+                                     f"checkpoint, {a['run']}@{a['step']}")
+                matches.append((a, [b], None))
+                continue
+            if not (_finite(a.get("kl")) and _finite(a.get("kl_se"))):
+                raise ValueError(f"--compare {spec_a}: {a['run']} step {a['step']} has no exact "
+                                 f"KL in its metrics.jsonl (an eval row lost to a resume from an "
+                                 f"earlier checkpoint?): pair another step, or B at a fixed step")
+            candidates = [r for r in rows_b if _finite(r.get("kl")) and _finite(r.get("kl_se"))
+                          and (r["run"], r["step"]) != (a["run"], a["step"])]   # never itself
+            if not candidates:
+                raise ValueError(f"--compare: seed {seed} has no checkpoint with a KL in {gb!r} "
+                                 f"other than A's own ({a['run']}@{a['step']}) to pair it with")
+            matches.append((a, *match_kl(a["kl"], a["kl_se"], candidates)))
         n_seeds = matches[0][0]["n_probe_seeds"][setting]
         diffs, ses, mean, se_mean = paired_difference(
             [counts(a) for a, _, _ in matches], [counts(b[0]) for _, b, _ in matches], n_seeds)
@@ -718,9 +733,9 @@ def main(argv=None):
             row = probe_checkpoint(path, args.task, args.method, args.n_train, args.n_test,
                                    args.seeds, None if args.no_projection else PROJ_DIM,
                                    args.epochs, args.device, cache)
-            print(json.dumps({k: v for k, v in row.items() if k != "n_correct"}), flush=True)
-            data.append_line(out, json.dumps(row))
+            data.append_line(out, json.dumps(row))          # saved, then shown
             written.append(path)
+            print(json.dumps({k: v for k, v in row.items() if k != "n_correct"}), flush=True)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"probe.py: error: {e}")
     except OSError as e:

@@ -3614,6 +3614,23 @@ def test_probe_compare_pairs_each_branch_with_the_runs_nearest_kl(tmp_path):
     assert "NOT matched: the lower loss is A's" in "\n".join(lines)
 
 
+def test_probe_compare_never_pairs_a_checkpoint_with_itself(tmp_path):
+    """run@last against run@kl: each seed's last checkpoint (KL 0.010) with the nearest other
+    one (step 4000, KL 0.020), not with itself; a fixed B at A's own step is refused; and a
+    checkpoint without a KL row is a one-line error, not a TypeError."""
+    runs, _ = _probe_toy_chain(tmp_path)
+    _, table = probe.summary_table(runs)
+    _, pairs = probe.compare(table, "linear_C", "run@last", "run@kl")
+    assert [(a["step"], b["step"]) for _, a, b, _ in pairs] == [(5000, 4000)] * 3
+    with pytest.raises(ValueError, match="A and B are the same checkpoint, run-s0@5000"):
+        probe.compare(table, "linear_C", "run@5000", "run@last")
+    for r in table:
+        if r["run"] == "br-from1000-s0":
+            r["kl"] = r["kl_se"] = None                 # its eval row is missing
+    with pytest.raises(ValueError, match="br-from1000-s0 step 1500 has no exact KL"):
+        probe.compare(table, "linear_C", "br-*@last", "run@kl")
+
+
 def test_probe_same_loss_statistic_equals_numpy(tmp_path):
     """The matched pairs' statistic: per seed the mean over its pairs, then mean and se over
     seeds, of the accuracy difference and the log trace ratio; the flatter side's wins."""
@@ -4527,8 +4544,33 @@ def test_handout_grade_reports_blank_failed_and_passed(tmp_path):
     assert rows[0][2] == 0 and 0 <= rows[1][2] < rows[1][3] and rows[2][2] == rows[2][3] >= 2
 
 
+def test_handout_grade_survives_a_loop_a_syntax_error_and_the_wrong_folder(tmp_path):
+    """A student's lr_schedule that never returns fails at the time limit (the grader goes on);
+    a syntax error in mask's file is reported with its line, its exercises failed; --grade in
+    a folder that is no copy of the project is a one-line error."""
+    handout = _handout()
+    out = tmp_path / "class"
+    handout.write_handout(str(out), ["mask", "lr_schedule"])
+    text = (out / "train.py").read_text()
+    blank = re.search(r"( *)raise NotImplementedError\('exercise lr_schedule:[^\n]*", text)
+    (out / "train.py").write_text(text.replace(blank[0], f"{blank[1]}while True:\n"
+                                                          f"{blank[1]}    pass"))
+    rows = handout.grade(str(out), ["lr_schedule"], limit=2)
+    assert rows[0][:3] == ("lr_schedule", "failed", 0) and rows[0][3] >= 1, rows
+    text = (out / "data.py").read_text()
+    blank = re.search(r"( *)raise NotImplementedError\('exercise mask:[^\n]*", text)
+    (out / "data.py").write_text(text.replace(blank[0], f"{blank[1]}return (("))
+    exercises = handout.find_exercises(str(out))
+    line = text[:text.index(blank[0])].count("\n") + 1
+    assert handout.syntax_errors(exercises) == [f"data.py:{line}: '(' was never closed"]
+    assert handout.grade(str(out), ["mask"])[0][:2] == ("mask", "failed")
+    with pytest.raises(handout.HandoutError, match="is not a copy of the project"):
+        handout.copy_to_grade(str(tmp_path))
+
+
 @pytest.mark.parametrize("edits, argv, message", [
     ([], ["nope"], "unknown exercise 'nope'"),
+    ([], [" "], "give a folder name for the student copy"),
     ([], ["--nonempty"], "exists and is not an empty folder"),
     ([], ["--under-a-file"], "class cannot be created: "),
     ([("    # END EXERCISE mask\n", "")], [], "inside exercise mask (no END before it)"),
@@ -4554,7 +4596,188 @@ def test_handout_refuses_bad_markers_and_arguments(tmp_path, edits, argv, messag
     if argv == ["--under-a-file"]:
         (tmp_path / "file").write_text("")
         out = tmp_path / "file" / "class"
+    if argv == [" "]:
+        out, argv = " ", []
     with pytest.raises(handout.HandoutError, match=re.escape(message)):
         handout.write_handout(str(out), [a for a in argv if not a.startswith("--")] or ["mask"],
                               root=str(root))
-    assert not out.exists() or os.listdir(out) == ["x"]
+    assert not os.path.exists(out) or os.listdir(out) == ["x"]
+
+
+# --------------------------------------------------- faults: full disks, signals, resumes, specs
+
+_LIMITED = r"""
+import resource, runpy, sys
+limit, script, *argv = sys.argv[1:]
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), int(limit)))
+sys.argv = [script, *argv]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def _run_with_file_limit(limit, script, *argv):
+    """(exit code, stderr) of `python SCRIPT ARGV` under a file-size limit of `limit` bytes: a
+    write past it fails as on a full disk."""
+    p = subprocess.run([sys.executable, "-c", _LIMITED, str(limit), script, *map(str, argv)],
+                       cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
+                       text=True, timeout=300)
+    return p.returncode, p.stderr
+
+
+def test_faults_a_checkpoint_that_does_not_fit_leaves_no_partial_file(tmp_path):
+    code, err = _run_with_file_limit(100_000, "train.py", *_train_args(tmp_path, "--steps", 3,
+                                                                         name="full"))
+    assert code == 1 and "Traceback" not in err
+    assert "could not write" in err and "ckpt_0000003.pt: File too large" in err, err
+    assert sorted(os.listdir(tmp_path / "full")) == [".lock", "config.json", "metrics.jsonl"]
+
+
+def test_faults_a_row_that_does_not_fit_is_cut_back(tmp_path):
+    """probe.jsonl near the limit: the new row does not fit, the file is as before (no half
+    row), the message names the file; data.py --out that does not fit leaves no file."""
+    ckpt = _probe_lookup_ckpt(tmp_path, _probe_tiny_hmm())
+    rows = tmp_path / "probe.jsonl"
+    rows.write_text(json.dumps({"step": 99, "note": "x" * 200}) + "\n")
+    before = rows.read_bytes()
+    code, err = _run_with_file_limit(len(before) + 50, "probe.py", ckpt, *_PROBE_CLI_SMALL)
+    assert code == 1 and "Traceback" not in err and "no partial row is left" in err, err
+    assert rows.read_bytes() == before
+    out = tmp_path / "lang.pt"
+    code, err = _run_with_file_limit(10_000, "data.py", "hmm-small", "--n", 500, "--out", out)
+    assert code == 1 and "Traceback" not in err and "could not write --out" in err, err
+    assert not out.exists() and not os.path.exists(f"{out}.tmp")
+
+
+def test_faults_data_write_whole_and_append_line_under_a_failing_write(tmp_path):
+    """The two writers themselves: a writer that fails half way leaves the old file and no
+    temporary; an append that fails half way is cut back to the old length."""
+    path = tmp_path / "f.txt"
+    path.write_text("old\n")
+
+    def half(f):
+        f.write("new, half")
+        raise OSError(28, "No space left on device")
+    with pytest.raises(OSError):
+        data.write_whole(str(path), half, mode="w")
+    assert path.read_text() == "old\n" and os.listdir(tmp_path) == ["f.txt"]
+
+    class Failing(io.FileIO):                     # half the row lands, then the disk is full
+        def write(self, b):
+            if getattr(self, "wrote", False):
+                raise OSError(27, "File too large")
+            self.wrote = True
+            return super().write(bytes(b)[:len(b) // 2])
+    real_open = open
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("builtins.open", lambda p, mode="r", *a, **k: Failing(p, "a")
+                  if mode == "ab" else real_open(p, mode, *a, **k))
+        with pytest.raises(OSError):
+            data.append_line(str(path), '{"step": 1}')
+    assert path.read_text() == "old\n"
+
+
+_CTRL_C = r"""
+import os, signal, subprocess, sys, time
+script, *argv = sys.argv[1:]
+p = subprocess.Popen([sys.executable, script, *argv], stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
+line = "?"
+while line and not line.startswith("{"):              # the first row is out
+    line = p.stdout.readline()
+p.send_signal(signal.SIGINT if os.environ.get("SIG") == "INT" else signal.SIGTERM)
+out, err = p.communicate(timeout=120)
+print(p.returncode)
+print(err.strip().splitlines()[-1] if err.strip() else "")
+print("Traceback" in err)
+"""
+
+
+@pytest.mark.parametrize("script, sig", [("probe.py", "INT"), ("hessian.py", "TERM")])
+def test_faults_ctrl_c_and_sigterm_in_hessian_and_probe(tmp_path, script, sig):
+    """Interrupted after its first row: one line (what was saved, how to continue), no
+    traceback; the same command again measures the rest and skips what is done: one row per
+    checkpoint, none twice."""
+    train.train(train.parse_args(_train_args(tmp_path, "--steps", 3, "--ckpt-every", 1,
+                                             name="a")))
+    ckpts = sorted(str(p) for p in (tmp_path / "a").glob("ckpt_*.pt"))
+    extra = (["--task", "3", "--n-train", "200", "--n-test", "100", "--seeds", "1", "--epochs",
+              "2000"] if script == "probe.py" else ["--sentences", "300", "--repeats", "10"])
+    assert len(ckpts) == 3
+    p = subprocess.run([sys.executable, "-c", _CTRL_C, script, *ckpts, *extra],
+                       cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, SIG=sig))
+    code, last, traceback = p.stdout.strip().splitlines()[-3:]
+    assert code == "1" and traceback == "False", p.stdout
+    assert last.startswith(f"{script}: interrupted; 1 checkpoint(s)") and "again" in last, last
+    out = tmp_path / "a" / ("probe.jsonl" if script == "probe.py" else "hessian.jsonl")
+    assert len(out.read_text().splitlines()) == 1
+    (probe.main if script == "probe.py" else hessian.main)(ckpts + extra)
+    steps = [json.loads(r)["step"] for r in out.read_text().splitlines()]
+    assert sorted(steps) == sorted(set(steps)) and len(steps) == len(ckpts)
+
+
+def test_faults_resume_with_the_same_runs_folder_spelled_two_ways(tmp_path, monkeypatch):
+    """A run made with an absolute --runs resumes with a relative one (the same folder), twice."""
+    monkeypatch.chdir(tmp_path)
+    lang = _train_tiny_lang(tmp_path)
+    base = ["--lang", lang, "--batch", "8", "--eval-n", "20", "--schedule", "const",
+            "--name", "r", "--ckpt-every", "2"]
+    train.train(train.parse_args(base + ["--runs", str(tmp_path / "runs"), "--steps", "2"]))
+    for steps in (4, 6):
+        args = train.parse_args(["--runs", "runs", "--name", "r", "--resume", "--steps",
+                                 str(steps)])
+        assert args.runs == "runs"
+        train.train(args)
+    assert os.path.isfile(tmp_path / "runs" / "r" / "ckpt_0000006.pt")
+
+
+def test_faults_a_grown_run_resumes_without_its_source(tmp_path):
+    """A --grow-from run resumes from its own checkpoints once its source is gone."""
+    src = _train_finished_run(tmp_path)
+    assert src
+    source = str(tmp_path / "a" / "ckpt_0000004.pt")
+    common = ["--grow-from", source, "--runs", str(tmp_path), "--name", "g", "--batch", "8",
+              "--eval-n", "20", "--schedule", "const", "--ckpt-every", "2"]
+    train.train(train.parse_args(common + ["--steps", "2"]))
+    os.remove(source)
+    train.train(train.parse_args(["--runs", str(tmp_path), "--name", "g", "--resume",
+                                  "--steps", "4"]))
+    assert os.path.isfile(tmp_path / "g" / "ckpt_0000004.pt")
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(n_symbols=3000), "3000 symbols (a 3000 x 3000 x 3000 rule table) needs about"),
+    (dict(n_symbols=-2), "n_symbols must be an integer >= 1, got -2"),
+    (dict(n_symbols=32.5), "n_symbols must be an integer >= 1, got 32.5"),
+    (dict(vocab_size=True), "vocab_size must be an integer >= 1, got True"),
+    ("twice", "rule [0, 3, 3] is listed twice"),
+    ("bad id", "rule [0, 99, 3, 0.5] must be 3 ids"),
+])
+def test_faults_spec_files_are_checked_by_kind_before_anything_is_built(tmp_path, change,
+                                                                        message):
+    spec = json.loads(json.dumps(data.LANGUAGES["pcfg-small"](0).spec()))
+    if change == "twice":
+        spec["binary_rules"].append(spec["binary_rules"][0])
+    elif change == "bad id":
+        spec["binary_rules"][0] = [0, 99, 3, 0.5]
+    else:
+        spec.update(change)
+    if change != "twice":
+        assert [0, 3, 3] == spec["binary_rules"][0][:3] or change == "bad id"
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    with pytest.raises(SystemExit) as e:
+        train.train(train.parse_args(["--lang", str(path), "--runs", str(tmp_path / "runs")]))
+    assert message in str(e.value.code) and "\n" not in str(e.value.code)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_faults_a_span_task_that_is_never_a_constituent_ends(tmp_path):
+    """Words 1..2 of a full binary tree of 4 words are never one constituent: task_data gives
+    up with a message after 10,000 sentences instead of drawing forever."""
+    spec = data.PCFG.hierarchy(n_per_level=2, rules_per_symbol=1, n_levels=2).spec()
+    spec["span_tasks"] = {"X": [1, 2]}
+    lang = data.language_from_spec(spec)
+    with pytest.raises(ValueError, match="task 'X': only 0 of 10,2[0-9][0-9] sentences"):
+        lang.task_data("X", 10, seed=0)
+    assert len(lang.task_data("A", 10, seed=0)[0]) == 10

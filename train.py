@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import math
 import os
@@ -906,8 +907,12 @@ def list_checkpoints(run_dir):
 
 
 def save_checkpoint(path, ckpt):
-    """torch.save, whole or not at all (data.write_whole), with the checksum of its contents."""
-    data.write_whole(path, lambda f: torch.save({**ckpt, "sha256": checkpoint_digest(ckpt)}, f))
+    """torch.save, whole or not at all (data.write_whole), with the checksum of its contents.
+    Serialised in memory first: torch.save hides a failed write (a full disk) in a RuntimeError,
+    a plain write raises the OSError that names it."""
+    buffer = io.BytesIO()
+    torch.save({**ckpt, "sha256": checkpoint_digest(ckpt)}, buffer)
+    data.write_whole(path, lambda f: f.write(buffer.getbuffer()))
 
 
 def checkpoint_digest(ckpt):

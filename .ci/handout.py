@@ -13,7 +13,8 @@ docstrings and replaces each chosen region by `raise NotImplementedError("exerci
   python .ci/handout.py --list                  # name, file:line, paper section, requires, tests
   python .ci/handout.py OUT                     # a copy of the project in OUT, every exercise blank
   python .ci/handout.py OUT trace_hessian grow  # ... only these blank
-  python .ci/handout.py --grade [NAME ...]      # in a student's copy: a line per exercise
+  python .ci/handout.py --grade [NAME ...]      # in a student's copy (the folder it is run
+                                                # in): a line per exercise
 Grading one exercise: `python -m pytest -q test_all.py -k ex_<name>` in the student's copy;
 --grade runs them all (or those named) and prints each one blank, passed or failed, with the
 number of its tests that pass. Standard library only (pytest runs in a subprocess).
@@ -49,7 +50,12 @@ def find_exercises(root=ROOT):
         path = os.path.join(root, script)
         with open(path, encoding="utf-8") as f:
             lines = f.read().split("\n")
-        tree = ast.parse("\n".join(lines), filename=script)
+        try:
+            tree = ast.parse("\n".join(lines), filename=script)
+        except SyntaxError as e:       # a student's mistake: graded as such, not a crash here
+            tree, broken = ast.Module(body=[], type_ignores=[]), f"{script}:{e.lineno}: {e.msg}"
+        else:
+            broken = None
         functions = [n for n in ast.walk(tree)
                      if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
         open_region = None
@@ -78,7 +84,7 @@ def find_exercises(root=ROOT):
                 doc = (ast.get_docstring(owner) or "") if owner else ""
                 section = SECTION.search(doc)
                 open_region.update(function=owner.name if owner else "(module)",
-                                   section=section[1] if section else "")
+                                   section=section[1] if section else "", syntax_error=broken)
                 found[name] = open_region
                 open_region = None
         if open_region:
@@ -124,6 +130,8 @@ def write_handout(out, names, root=ROOT, exercises=None):
     unknown = [n for n in names if n not in exercises]
     if unknown:
         raise HandoutError(f"unknown exercise {unknown[0]!r} (python .ci/handout.py --list)")
+    if not out.strip():
+        raise HandoutError("give a folder name for the student copy (got an empty one)")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise HandoutError(f"{out} exists and is not an empty folder: give a new one")
     parent = os.path.abspath(out)
@@ -132,43 +140,66 @@ def write_handout(out, names, root=ROOT, exercises=None):
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         raise HandoutError(f"{out} cannot be created: {parent} is "
                            f"{'not writable' if os.path.isdir(parent) else 'a file'}")
-    os.makedirs(out, exist_ok=True)
-    for file in COPIED:
-        src = os.path.join(root, file)
-        if file in SCRIPTS:
-            with open(src, encoding="utf-8") as f:
-                text = blanked_source(f.read(), exercises, file, set(names))
-            with open(os.path.join(out, file), "w", encoding="utf-8") as f:
-                f.write(text)
-        elif os.path.exists(src):
-            os.makedirs(os.path.dirname(os.path.join(out, file)), exist_ok=True)
-            shutil.copy(src, os.path.join(out, file))
+    try:
+        os.makedirs(out, exist_ok=True)
+        for file in COPIED:
+            src = os.path.join(root, file)
+            if file in SCRIPTS:
+                with open(src, encoding="utf-8") as f:
+                    text = blanked_source(f.read(), exercises, file, set(names))
+                with open(os.path.join(out, file), "w", encoding="utf-8") as f:
+                    f.write(text)
+            elif os.path.exists(src):
+                os.makedirs(os.path.dirname(os.path.join(out, file)), exist_ok=True)
+                shutil.copy(src, os.path.join(out, file))
+    except OSError as e:
+        raise HandoutError(f"could not write {e.filename or out}: {e.strerror or e}") from None
 
 
 # A pytest plugin writing {test name: [exercise, ...]} (its @exercise tags) to $EXERCISE_TAGS.
 TAGS_PLUGIN = '''
-import json, os
+import json, os, signal
+import pytest
 def pytest_collection_modifyitems(items):
     tags = {item.name: sorted(k[3:] for k in vars(getattr(item, "function", None) or object)
                               if k.startswith("ex_")) for item in items}
     with open(os.environ["EXERCISE_TAGS"], "w") as f:
         json.dump(tags, f)
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):         # a test that runs past the limit fails, the rest go on
+    limit = int(os.environ["EXERCISE_TIME_LIMIT"])
+    def expire(signum, frame):
+        raise TimeoutError(f"test ran past the grader's time limit of {limit} s (a loop that "
+                           f"never ends?)")
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(limit)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 '''
+TIME_LIMIT = 120      # seconds per test when grading; the slowest graded test takes about 10
 
 
-def run_pytest(folder, args, tags=False):
+def run_pytest(folder, args, tags=False, limit=TIME_LIMIT):
     """({test name: (outcome, message)}, exit code, the output's tail, and with tags=True
     {test name: its exercises}) of `pytest test_all.py ARGS` run in `folder`, one thread."""
     with tempfile.TemporaryDirectory() as tmp:
         junit = os.path.join(tmp, "junit.xml")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1",
-                   PYTHONPATH=tmp, EXERCISE_TAGS=os.path.join(tmp, "tags.json"))
+                   PYTHONPATH=tmp, EXERCISE_TAGS=os.path.join(tmp, "tags.json"),
+                   EXERCISE_TIME_LIMIT=str(limit))
         with open(os.path.join(tmp, "exercise_tags_plugin.py"), "w") as f:
             f.write(TAGS_PLUGIN)
-        plugin = ["-p", "exercise_tags_plugin"] if tags else []
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               *plugin, f"--junitxml={junit}", "test_all.py", *args], cwd=folder,
-                              env=env, capture_output=True, text=True)
+        try:                             # the plugin holds each test to `limit`; this, the rest
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                   "-p", "exercise_tags_plugin", f"--junitxml={junit}",
+                                   "test_all.py", *args], cwd=folder, env=env,
+                                  capture_output=True, text=True, timeout=20 * limit + 600)
+        except subprocess.TimeoutExpired:
+            raise HandoutError(f"pytest did not finish in {20 * limit + 600} s in {folder}: a "
+                               f"test that ignores the time limit (blocked outside Python?)")
         results = {}
         if os.path.exists(junit):
             for case in ET.parse(junit).getroot().iter("testcase"):
@@ -186,7 +217,7 @@ def run_pytest(folder, args, tags=False):
     return results, proc.returncode, proc.stdout[-2000:], found
 
 
-def grade(folder, names):
+def grade(folder, names, limit=TIME_LIMIT):
     """[(exercise, "blank" | "passed" | "failed", tests passed, tests)] for the exercises
     `names` of the copy in `folder`: blank if its region still raises the handout's
     NotImplementedError, passed if all its tests pass."""
@@ -197,9 +228,11 @@ def grade(folder, names):
     names = names or sorted(exercises, key=lambda n: (SCRIPTS.index(exercises[n]["file"]),
                                                       exercises[n]["begin"]))
     results, _, out, tags = run_pytest(folder, ["-k", " or ".join(f"ex_{n}" for n in names)],
-                                       tags=True)
+                                       tags=True, limit=limit)
+    if not results and syntax_errors(exercises):     # nothing imports: every exercise fails
+        return [(n, "failed", 0, 0) for n in names]
     if not results:
-        raise HandoutError(f"pytest ran no test in {folder}:\n{out}")
+        raise HandoutError(f"pytest ran no test in {folder}: {out.strip().splitlines()[-1:]}")
     rows = []
     for name in names:
         ex = exercises[name]
@@ -208,9 +241,24 @@ def grade(folder, names):
         tests = [t for t, of in tags.items() if name in of and t in results]
         passed = sum(results[t][0] == "passed" for t in tests)
         blank = f"NotImplementedError('exercise {name}:" in region
-        rows.append((name, "blank" if blank else "passed" if passed == len(tests) else "failed",
-                     passed, len(tests)))
+        rows.append((name, "blank" if blank else "passed" if passed == len(tests) and tests
+                     else "failed", passed, len(tests)))
     return rows
+
+
+def syntax_errors(exercises):
+    """The student's files that Python cannot parse: {"file:line: message"}."""
+    return sorted({ex["syntax_error"] for ex in exercises.values() if ex.get("syntax_error")})
+
+
+def copy_to_grade(folder):
+    """`folder` if it holds a copy of the project (the six scripts, test_all.py), else a
+    HandoutError: --grade grades the folder it is run in, never another copy."""
+    missing = [f for f in SCRIPTS + ("test_all.py",) if not os.path.isfile(os.path.join(folder, f))]
+    if missing:
+        raise HandoutError(f"{os.path.abspath(folder)} is not a copy of the project (no "
+                           f"{', '.join(missing)}): run --grade in the student's copy")
+    return folder
 
 
 def print_list(exercises):
@@ -232,7 +280,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         if args.grade is not None:
-            rows = grade(ROOT, [n for n in [args.out, *args.names, *args.grade] if n])
+            folder = copy_to_grade(os.getcwd())
+            rows = grade(folder, [n for n in [args.out, *args.names, *args.grade] if n])
+            for broken in syntax_errors(find_exercises(folder)):
+                print(f"syntax error, nothing in its file can run: {broken}")
             for name, status, passed, n in rows:
                 print(f"{name:18} {status:6}  {passed}/{n} tests pass")
             done = sum(status == "passed" for _, status, _, _ in rows)
