@@ -600,7 +600,8 @@ def check_memory(args, cfg, lang):
         per_token = cfg.n_layers * 24 * cfg.lstm_hidden + 2 * cfg.vocab_size
     for what, floats in ((f"the model ({n:,} parameters: --preset, --n-layers, --n-heads, "
                           f"--lstm-hidden, --grow-width)", 4 * n),
-                         (f"a batch of --batch {B} sentences of up to {T} words", B * T * per_token),
+                         (f"a batch of --batch {B} sentences of up to {T} words",
+                          B * T * per_token),
                          (f"the eval set (--eval-n {args.eval_n} sentences, every position masked)",
                           args.eval_n * T * (T + 2 * lang.vocab_size + 4 * per_token / T))):
         try:
@@ -684,10 +685,10 @@ def start_run(args):
     nothing to train (a lookup table is written instead, or the run is complete)."""
     if args.grow_from is None:
         lang = make_language(args.lang, args.lang_seed)
-    elif args.resume is None:
+    elif args.resume is None and args.branch_from is None:
         grown, lang, source = grow_model(args)
-    else:                             # a grown run resumed: its own checkpoint, not its source
-        grown, _, lang = load_checkpoint(args.resume)
+    else:                # a grown run resumed or branched: its own checkpoint, not its source
+        grown, _, lang = load_checkpoint(args.resume or args.branch_from)
         grown.train()
     task = adversary_pool(args, lang)
     rank, world = setup_distributed(args)

@@ -5,8 +5,8 @@ settings: fp32 with logits at every position (the ratios' baseline: the step bef
 `at`), fp32, bf16 (--precision bf16), fp32 --compile, bf16 --compile; for lstm-62k on
 hmm-small (batch 256) and the two-head pcfg-deep transformer (tf-1m, 4 layers, 2 heads, batch
 512). The settings are interleaved round by round so that the machine's load hits them alike;
-medians, and ratios to the baseline. The achieved matmul FLOP/s is set against this machine's fp32 and
-bf16 matmul peaks at the models' widths (bench_train.matmul_peak).
+medians, and ratios to the baseline. The achieved matmul FLOP/s is set against this machine's
+fp32 and bf16 matmul peaks at the models' widths (bench_train.matmul_peak).
 
   python .bench/bench_precision.py                       # ~4 min on 2 cores
   python .bench/bench_precision.py --rounds 3 --no-compile
