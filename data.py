@@ -1129,6 +1129,7 @@ def int_flag(lo, hi=None):
             raise argparse.ArgumentTypeError(f"must be in {lo}..{hi} (got {value})" if hi is not
                                              None else f"must be >= {lo} (got {value})")
         return value
+    integer.metavar = "N"                                 # what --help shows
     return integer
 
 
@@ -1146,6 +1147,7 @@ def float_flag(lo=None, hi=None, open_lo=False):
                      if lo is not None else "a finite number")
             raise argparse.ArgumentTypeError(f"must be in {where} (got {text})")
         return value
+    number.metavar = "X"
     return number
 
 

@@ -416,7 +416,7 @@ class ShortHelp(argparse.HelpFormatter):
         super().__init__(prog, max_help_position=24, width=100)
 
     def _get_default_metavar_for_optional(self, action):
-        return {int: "N", float: "X"}.get(action.type, "S")
+        return getattr(action.type, "metavar", {int: "N", float: "X"}.get(action.type, "S"))
 
 
 # integer flags' ranges: >= 1, >= 0, a numpy seed
@@ -484,7 +484,8 @@ def parse_args(argv=None):
     a("--device", type=device_flag, default="cpu", help="cpu (default) or cuda")
     a("--precision", default="auto", choices=PRECISIONS, metavar="S", help="the training step's"
       " matmuls: fp32, bf16 (autocast) or auto (default): bf16 on cuda, fp32 on cpu")
-    a("--compile", action="store_true", help="torch.compile the model (GPU runs)")
+    a("--compile", action=argparse.BooleanOptionalAction, default=False,
+      help="torch.compile the model (a resume keeps the run's setting unless given)")
     a("--threads", type=COUNT, default=1, help="torch threads per process (default 1)")
     args = p.parse_args(argv)
     dest = {opt: act.dest for act in p._actions for opt in act.option_strings}
