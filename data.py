@@ -1204,9 +1204,7 @@ def append_line(path, line):
 def sigterm_as_interrupt():
     """SIGTERM (a scheduler's kill, `kill PID`) raises KeyboardInterrupt, as Ctrl-C does, so
     that a script's own interrupt handling covers both."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 def unwritable(path, flag, folder=False):

@@ -9,6 +9,7 @@ Interface (used by train.py, hessian.py, probe.py):
     config = config_from_preset("tf-2m", vocab_size=V + 2, pad_id=V + 1, max_len=32)
     net = build(config)             # nn.Module with .config
     logits = net(tokens)            # [B, T, vocab_size]; tokens == config.pad_id are padding
+    logits = net(tokens, at)        # [B, vocab_size] at position at[b] of row b (the MLM step)
     h = net.features(tokens)        # [B, T, d], the last-layer representations probes read
     big = grow(net, width=2, extra_layers=1)   # same logits, 2x heads/width, one more block
 

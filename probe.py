@@ -454,7 +454,9 @@ def compare(table, setting, spec_a, spec_b):
         return r["n_correct"][setting]
 
     def describe(r):
-        return (f"{r['run']}@{r['step']} (KL {_fmt(r.get('kl'))} ± {_fmt(r.get('kl_se'))}, Tr "
+        kl = (f"{r['kl']:.4f} ± {r['kl_se']:.4f}" if _finite(r.get("kl")) and _finite(
+            r.get("kl_se")) else "-")
+        return (f"{r['run']}@{r['step']} (KL {kl}, Tr "
                 f"{_fmt(r.get('trace'))}, acc {r[acc]:.4f})")
     lines, pairs = [], []
     for group in sorted({r["group"] for r in table if fnmatch.fnmatchcase(r["group"], ga)}):

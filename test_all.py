@@ -2695,6 +2695,7 @@ def test_train_grow_flags_that_conflict_are_usage_errors(train_grown_runs, tmp_p
     (["--grow-from", "SRC", "--grow-width", "0"], "argument --grow-width: must be >= 1"),
     (["--grow-from", "SRC", "--algo", "lookup"], "--algo lookup has none"),
     (["--grow-from", "SRCx"], "no checkpoint file"),
+    (["--grow-from", "SRC", "--grow-width", "100000"], "needs about"),
 ])
 def test_train_grow_from_refuses_bad_arguments(train_grown_runs, tmp_path, capsys, argv,
                                                message):

@@ -1112,8 +1112,9 @@ def main(argv=None):
         raise SystemExit(f"train.py: error: {e}") from None
     except OSError as e:            # a full disk, a file-size limit, a folder refusing writes
         raise SystemExit(f"train.py: could not write {e.filename or 'a file'}: {e.strerror or e}"
-                         f" (every file is written whole or not at all: the run's last checkpoint"
-                         f" is whole; free space, then resume)") from None
+                         f" (files are written whole or not at all: the run folder holds whole "
+                         f"files only; once there is room, --resume continues from its last "
+                         f"checkpoint)") from None
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -278,6 +279,7 @@ def main(argv=None):
     p.add_argument("--grade", nargs="*", metavar="NAME", help="grade this copy's exercises "
                    "(default: all): blank, passed or failed, and tests passed")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)    # SIGTERM as Ctrl-C
     try:
         if args.grade is not None:
             folder = copy_to_grade(os.getcwd())
@@ -297,6 +299,10 @@ def main(argv=None):
         write_handout(args.out, names, exercises=exercises)
     except HandoutError as e:
         sys.exit(f"handout: {e}")
+    except KeyboardInterrupt:
+        sys.exit("handout: interrupted; a student copy being written is incomplete: delete it "
+                 "and run the command again" if args.grade is None and args.out else
+                 "handout: interrupted; nothing written")
     print(f"wrote {args.out}: {len(names)} exercise(s) blanked; grade one with "
           f"python -m pytest -q test_all.py -k ex_NAME")
 
