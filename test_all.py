@@ -4630,7 +4630,7 @@ def _run_with_file_limit(limit, script, *argv):
 def test_faults_a_checkpoint_that_does_not_fit_leaves_no_partial_file(tmp_path):
     code, err = _run_with_file_limit(100_000, "train.py", *_train_args(tmp_path, "--steps", 3,
                                                                          name="full"))
-    assert code == 1 and "Traceback" not in err
+    assert code == 1 and "Traceback" not in err, err
     assert "could not write" in err and "ckpt_0000003.pt: File too large" in err, err
     assert sorted(os.listdir(tmp_path / "full")) == [".lock", "config.json", "metrics.jsonl"]
 

@@ -75,13 +75,16 @@ def check_live(name, needed, path):
         return [f"{name}: no step of the teaching path (TEACHING_PATH) runs it"]
     words = shlex.split(steps[0])                  # the step's own run folder is left out
     own = os.path.join("runs", words[words.index("--name") + 1]) if "--name" in words else None
+    # and its own rows: hessian.py and probe.py skip the checkpoints they measured already
+    own_rows = (words[0].replace(".py", ".jsonl") if words[0] in ("hessian.py", "probe.py")
+                and "--summary" not in words else None)
     for top, _, files in os.walk(path_folder):     # the other steps' files
         rel = os.path.relpath(top, path_folder)
         if own and (rel == own or rel.startswith(own + os.sep)):
             continue
         os.makedirs(os.path.join(needed, rel), exist_ok=True)
         for f in files:
-            if not os.path.exists(os.path.join(needed, rel, f)):
+            if f != own_rows and not os.path.exists(os.path.join(needed, rel, f)):
                 shutil.copy(os.path.join(top, f), os.path.join(needed, rel, f))
     code, err = run_script(needed, steps[0])
     if code == 0 or f"exercise {name}:" not in err:
