@@ -1201,12 +1201,6 @@ def append_line(path, line):
             raise
 
 
-def sigterm_as_interrupt():
-    """SIGTERM (a scheduler's kill, `kill PID`) raises KeyboardInterrupt, as Ctrl-C does, so
-    that a script's own interrupt handling covers both."""
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-
-
 def unwritable(path, flag, folder=False):
     """Why `path` (a file; with folder=True a folder, created if missing) cannot be written, as
     a message naming `flag`, or None: every output is checked before any work is done."""
@@ -1254,7 +1248,7 @@ def _parser():
 
 def main(argv=None):
     """Command line (App. A.1): sample one language's sentences, task labels and spec."""
-    sigterm_as_interrupt()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)        # SIGTERM as Ctrl-C
     try:
         sample_to_file(argv)
     except KeyboardInterrupt:

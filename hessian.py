@@ -632,9 +632,7 @@ def main(argv=None):
         print(f"Tr[∇²L] {rows[0][2]:.3f} -> {rows[-1][2]:.3f} while |loss - entropy| <= "
               f"{max(abs(r[1]) for r in rows):.3f} nats (O(lr) fluctuation around the manifold)")
         return
-    data.sigterm_as_interrupt()
-    written = []
-    try:
+    with train.measuring_rows("hessian.py", "hessian.jsonl", "measured") as written:
         steps = [train.load_checkpoint(path)[1]["step"]    # every file checked before any write
                  for path in args.checkpoints]
         for i, (path, step) in enumerate(zip(args.checkpoints, steps)):
@@ -655,15 +653,6 @@ def main(argv=None):
                 data.append_line(out, json.dumps(row))      # saved, then shown
                 written.append(path)
                 print(json.dumps(row), flush=True)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"hessian.py: error: {e}")
-    except OSError as e:
-        sys.exit(f"hessian.py: could not write {e.filename or 'hessian.jsonl'}: {e.strerror or e}"
-                 f" (no partial row is left)")
-    except KeyboardInterrupt:
-        sys.exit(f"hessian.py: interrupted; {len(written)} checkpoint(s) measured and saved in "
-                 f"their runs' hessian.jsonl; run the same command again to measure the rest "
-                 f"(checkpoints measured with the same settings are skipped)")
 
 
 if __name__ == "__main__":

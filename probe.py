@@ -705,9 +705,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    data.sigterm_as_interrupt()
-    written = []
-    try:
+    with train.measuring_rows("probe.py", "probe.jsonl", "probed") as written:
         if args.summary:
             columns, table = summary_table(args.paths, args.min_step)
             pairs = print_summary(columns, table, args.csv, args.compare)
@@ -738,15 +736,6 @@ def main(argv=None):
             data.append_line(out, json.dumps(row))          # saved, then shown
             written.append(path)
             print(json.dumps({k: v for k, v in row.items() if k != "n_correct"}), flush=True)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"probe.py: error: {e}")
-    except OSError as e:
-        sys.exit(f"probe.py: could not write {e.filename or 'a file'}: {e.strerror or e} (no "
-                 f"partial row is left)")
-    except KeyboardInterrupt:
-        sys.exit(f"probe.py: interrupted; {len(written)} checkpoint(s) probed and saved in their "
-                 f"runs' probe.jsonl; run the same command again to probe the rest (checkpoints "
-                 f"probed with the same settings are skipped)")
 
 
 if __name__ == "__main__":

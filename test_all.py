@@ -4711,9 +4711,10 @@ def test_faults_ctrl_c_and_sigterm_in_hessian_and_probe(tmp_path, script, sig):
                        text=True, timeout=300, env=dict(os.environ, SIG=sig))
     code, last, traceback = p.stdout.strip().splitlines()[-3:]
     assert code == "1" and traceback == "False", p.stdout
-    assert last.startswith(f"{script}: interrupted; 1 checkpoint(s)") and "again" in last, last
+    saved = re.match(rf"{script}: interrupted; ([12]) checkpoint\(s\) .* again", last)
+    assert saved, last                          # 1, or 2 if the next one beat the signal
     out = tmp_path / "a" / ("probe.jsonl" if script == "probe.py" else "hessian.jsonl")
-    assert len(out.read_text().splitlines()) == 1
+    assert len(out.read_text().splitlines()) == int(saved[1])
     (probe.main if script == "probe.py" else hessian.main)(ckpts + extra)
     steps = [json.loads(r)["step"] for r in out.read_text().splitlines()]
     assert sorted(steps) == sorted(set(steps)) and len(steps) == len(ckpts)

@@ -814,6 +814,26 @@ def already_measured(path, row):
     return any(isinstance(r, dict) and all(r.get(k) == v for k, v in row.items()) for r in rows)
 
 
+@contextlib.contextmanager
+def measuring_rows(script, rows, verb):
+    """The one-line exits of a script that appends a row per checkpoint to runs' `rows` file
+    (hessian.py: "hessian.jsonl", "measured"; probe.py): a bad input, a failed write, Ctrl-C or
+    SIGTERM. Yields the list the script appends each saved checkpoint to."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)        # SIGTERM as Ctrl-C
+    written = []
+    try:
+        yield written
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"{script}: error: {e}")
+    except OSError as e:
+        sys.exit(f"{script}: could not write {e.filename or rows}: {e.strerror or e} (no partial "
+                 f"row is left)")
+    except KeyboardInterrupt:
+        sys.exit(f"{script}: interrupted; {len(written)} checkpoint(s) {verb} and saved in their "
+                 f"runs' {rows}; run the same command again for the rest (checkpoints {verb} "
+                 f"with the same settings are skipped)")
+
+
 def truncate_metrics(path, step):
     """Drop metric rows after `step`, logged by a run killed after its last checkpoint, and a
     last line cut in half by the kill (with a note); any other broken line is an error."""
