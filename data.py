@@ -19,6 +19,7 @@ the spec, read back by torch.load(FILE, weights_only=True)):
 """
 import argparse
 import contextlib
+import io
 import math
 import os
 import signal
@@ -1286,7 +1287,9 @@ def sample_to_file(argv=None):
     print(f"optimal MLM loss (entropy): {h:.4f} +- {se:.4f} nats")
     try:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        write_whole(args.out, lambda f: torch.save(out, f))
+        buffer = io.BytesIO()             # torch.save would hide a failed write in a RuntimeError
+        torch.save(out, buffer)
+        write_whole(args.out, lambda f: f.write(buffer.getbuffer()))
     except OSError as e:
         sys.exit(f"data.py: could not write --out {args.out} (nothing written): {e.strerror or e}")
     print(f"wrote {args.out}")
