@@ -342,9 +342,10 @@ def read_jsonl(path, needs=("step",)):
     return rows
 
 
-def summary_table(run_dirs, min_step=0):
+def summary_table(run_dirs, min_step=0, every=False):
     """(columns, rows): each run's metrics.jsonl (eval rows), hessian.jsonl and probe.jsonl
-    joined by step, a row per step >= min_step with a hessian or probe row: run, group, seed
+    joined by step, a row per step >= min_step with a hessian or probe row (every=True: per
+    evaluated step whose checkpoint file exists, with its `path`): run, group, seed
     (runs are named GROUP-sSEED), step, METRIC_COLUMNS, HESSIAN_COLUMNS, and per probe setting
     S (`{method}_{task}`, `_noproj` for --no-projection) `S_acc`, `S_acc_std`, with
     row["n_correct"][S] and row["n_probe_seeds"][S] for paired comparisons; the last row wins,
@@ -382,13 +383,17 @@ def summary_table(run_dirs, min_step=0):
             settings += [] if setting in settings else [setting]
             probes.setdefault(r["step"], {})[setting] = r
         steps = sorted(s for s in set(hess) | set(probes) if s >= min_step)
+        if every:
+            steps = [s for s in sorted(evals) if s >= min_step
+                     and os.path.exists(train.ckpt_path(run, s))]
         if not steps:
             raise ValueError(f"{run} has no hessian.jsonl or probe.jsonl rows at steps >= "
                              f"{min_step}: run hessian.py and probe.py on its checkpoints")
         group_seed = re.fullmatch(r"(.*)-s(\d+)", name)
         group, seed = (group_seed[1], int(group_seed[2])) if group_seed else (name, None)
         for step in steps:
-            row = {"run": name, "group": group, "seed": seed, "step": step}
+            row = {"run": name, "group": group, "seed": seed, "step": step,
+                   "path": train.ckpt_path(run, step)}
             row.update({c: evals.get(step, {}).get(c) for c in METRIC_COLUMNS})
             row.update({c: hess.get(step, {}).get(c) for c in HESSIAN_COLUMNS})
             rows.append((row, probes.get(step, {})))
@@ -420,25 +425,26 @@ def _finite(v):
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
-def compare(table, setting, spec_a, spec_b):
-    """(printable lines, pairs) of the paired comparison (paired_difference) of checkpoints A and
-    B of each training seed on probe setting `setting`: spec GROUP@STEP, STEP an integer or
-    `last`, GROUP a group name or a glob; each group A's glob matches (a decay branch, say) is
-    compared on its own. B's STEP may be `kl`: B's checkpoint with the KL nearest to A's
-    (match_kl), with the margin and the next-best match; the matched pairs of all groups are
-    then summed up by same_loss_statistic. pairs: [(seed, A's row, B's row, margin or None)]."""
-    parsed, acc = [], f"{setting}_acc"
+def pair_checkpoints(table, setting, spec_a, spec_b):
+    """The pairs of a comparison: spec GROUP@STEP, STEP an integer or `last`, GROUP a group name
+    or a glob; each group A's glob matches (a decay branch, say) is paired on its own, per
+    training seed with rows in both. B's STEP may be `kl`: among B's checkpoints other than A's,
+    the KL nearest to A's (match_kl); `kl-later`: the same among B's checkpoints at later steps
+    than A's (trained longer). Only rows probed on `setting` count (None: every row).
+    -> [(group, [(seed, A's row, B's rows best first, KL margin or None)])]."""
+    parsed = []
     for spec, may_match in ((spec_a, False), (spec_b, True)):
         group, _, step = spec.rpartition("@")
-        if not group or not (step.isdigit() or step == "last" or may_match and step == "kl"):
+        if not group or not (step.isdigit() or step == "last"
+                             or may_match and step in ("kl", "kl-later")):
             raise ValueError(f"--compare {spec!r}: expected GROUP@STEP with STEP a number, "
-                             f"'last' or (second only) 'kl'")
+                             f"'last' or (second only) 'kl' or 'kl-later'")
         parsed.append((group, step))
     (ga, sa), (gb, sb) = parsed
 
     def rows_of(group, seed):
         return [r for r in table if fnmatch.fnmatchcase(r["group"], group) and r["seed"] == seed
-                and _finite(r.get(acc))]
+                and (setting is None or _finite(r.get(f"{setting}_acc")))]
 
     def at(rows, step, spec):
         found = [r for r in rows if step == "last" or r["step"] == int(step)]
@@ -446,6 +452,54 @@ def compare(table, setting, spec_a, spec_b):
             raise ValueError(f"--compare {spec}: no probed checkpoint at step {step} in "
                              f"{rows[0]['run']} (steps: {sorted(r['step'] for r in rows)})")
         return max(found, key=lambda r: r["step"])
+    groups = []
+    for group in sorted({r["group"] for r in table if fnmatch.fnmatchcase(r["group"], ga)}):
+        seeds = sorted({r["seed"] for r in table if rows_of(group, r["seed"])
+                        and rows_of(gb, r["seed"])}, key=lambda s: -1 if s is None else s)
+        matches = []
+        for seed in seeds:
+            a, rows_b = at(rows_of(group, seed), sa, spec_a), rows_of(gb, seed)
+            if not sb.startswith("kl"):
+                b = at(rows_b, sb, spec_b)
+                if (b["run"], b["step"]) == (a["run"], a["step"]):
+                    raise ValueError(f"--compare {spec_a} {spec_b}: A and B are the same "
+                                     f"checkpoint, {a['run']}@{a['step']}")
+                matches.append((seed, a, [b], None))
+                continue
+            if not (_finite(a.get("kl")) and _finite(a.get("kl_se"))):
+                raise ValueError(f"--compare {spec_a}: {a['run']} step {a['step']} has no exact "
+                                 f"KL in its metrics.jsonl (an eval row lost to a resume from an "
+                                 f"earlier checkpoint?): pair another step, or B at a fixed step")
+            candidates = [r for r in rows_b if _finite(r.get("kl")) and _finite(r.get("kl_se"))
+                          and (r["run"], r["step"]) != (a["run"], a["step"])   # never itself
+                          and (sb == "kl" or r["step"] > a["step"])]
+            if not candidates:
+                raise ValueError(f"--compare: seed {seed} has no checkpoint with a KL in {gb!r} "
+                                 f"other than A's own ({a['run']}@{a['step']}) to pair it with"
+                                 + (" at a later step" if sb == "kl-later" else ""))
+            matches.append((seed, a, *match_kl(a["kl"], a["kl_se"], candidates)))
+        if matches:
+            groups.append((group, matches))
+    if not groups:
+        raise ValueError(f"--compare: no training seed has probed checkpoints in both {ga!r} and "
+                         f"{gb!r} (groups: {sorted({r['group'] for r in table})})")
+    return groups
+
+
+def to_measure(table, spec_a, spec_b):
+    """The checkpoint files a comparison needs measured (table: summary_table(..., every=True)):
+    A's, and B's best and next-best KL matches among every evaluated checkpoint."""
+    return [r["path"] for _, matches in pair_checkpoints(table, None, spec_a, spec_b)
+            for _, a, ranked, _ in matches for r in [a] + ranked[:2]]
+
+
+def compare(table, setting, spec_a, spec_b):
+    """(printable lines, pairs) of the paired comparison (paired_difference) of checkpoints A and
+    B of each training seed on probe setting `setting` (pair_checkpoints); with B@kl, the margin
+    and the next-best match, and the matched pairs of all groups summed up by
+    same_loss_statistic. pairs: [(seed, A's row, B's row, margin or None)]."""
+    acc = f"{setting}_acc"
+    sa = spec_a.rpartition("@")[2]
 
     def counts(r):
         if not r["n_correct"][setting]:
@@ -459,31 +513,9 @@ def compare(table, setting, spec_a, spec_b):
         return (f"{r['run']}@{r['step']} (KL {kl}, Tr "
                 f"{_fmt(r.get('trace'))}, acc {r[acc]:.4f})")
     lines, pairs = [], []
-    for group in sorted({r["group"] for r in table if fnmatch.fnmatchcase(r["group"], ga)}):
-        seeds = sorted({r["seed"] for r in table if rows_of(group, r["seed"])
-                        and rows_of(gb, r["seed"])}, key=lambda s: -1 if s is None else s)
-        if not seeds:
-            continue
-        matches = []                      # (A's row, B's rows best first, KL margin or None)
-        for seed in seeds:
-            a, rows_b = at(rows_of(group, seed), sa, spec_a), rows_of(gb, seed)
-            if sb != "kl":
-                b = at(rows_b, sb, spec_b)
-                if (b["run"], b["step"]) == (a["run"], a["step"]):
-                    raise ValueError(f"--compare {spec_a} {spec_b}: A and B are the same "
-                                     f"checkpoint, {a['run']}@{a['step']}")
-                matches.append((a, [b], None))
-                continue
-            if not (_finite(a.get("kl")) and _finite(a.get("kl_se"))):
-                raise ValueError(f"--compare {spec_a}: {a['run']} step {a['step']} has no exact "
-                                 f"KL in its metrics.jsonl (an eval row lost to a resume from an "
-                                 f"earlier checkpoint?): pair another step, or B at a fixed step")
-            candidates = [r for r in rows_b if _finite(r.get("kl")) and _finite(r.get("kl_se"))
-                          and (r["run"], r["step"]) != (a["run"], a["step"])]   # never itself
-            if not candidates:
-                raise ValueError(f"--compare: seed {seed} has no checkpoint with a KL in {gb!r} "
-                                 f"other than A's own ({a['run']}@{a['step']}) to pair it with")
-            matches.append((a, *match_kl(a["kl"], a["kl_se"], candidates)))
+    for group, matches in pair_checkpoints(table, setting, spec_a, spec_b):
+        seeds = [m[0] for m in matches]
+        matches = [m[1:] for m in matches]
         n_seeds = matches[0][0]["n_probe_seeds"][setting]
         diffs, ses, mean, se_mean = paired_difference(
             [counts(a) for a, _, _ in matches], [counts(b[0]) for _, b, _ in matches], n_seeds)
@@ -510,10 +542,7 @@ def compare(table, setting, spec_a, spec_b):
             next_best = paired_difference([counts(a) for a, _, _ in matches],
                                           [counts(b[1]) for _, b, _ in matches], n_seeds)[2]
             lines.append(f"  with the next-best KL match instead: {next_best:+.4f}")
-    if not lines:
-        raise ValueError(f"--compare: no training seed has probed checkpoints in both {ga!r} and "
-                         f"{gb!r} (groups: {sorted({r['group'] for r in table})})")
-    if sb == "kl":
+    if spec_b.rpartition("@")[2].startswith("kl"):
         lines += same_loss_lines(pairs, spec_a, spec_b)
     return lines, [p[:4] for p in pairs]
 
@@ -668,7 +697,10 @@ def parse_args(argv=None):
     a("paths", nargs="+", help="checkpoints runs/NAME/ckpt_*.pt; with --summary, run folders")
     a("--summary", action="store_true", help="one table of the runs' rows, with R² per group")
     a("--compare", nargs=2, action="append", default=[], metavar=("A", "B"), help="with "
-      "--summary: accuracy B - A per training seed; GROUP@STEP, STEP a number or last (B: or kl)")
+      "--summary: accuracy B - A per training seed; GROUP@STEP, STEP a number or last (B: or "
+      "kl, kl-later)")
+    a("--to-measure", action="store_true", help="with --summary and --compare: print the "
+      "checkpoints the pairs need (B@kl: the best two of every evaluated one), one per line")
     a("--min-step", type=train.NATURAL, default=0,
       help="with --summary: only checkpoints at steps >= this")
     a("--csv", help="with --summary: also write the table to this CSV file")
@@ -692,8 +724,10 @@ def parse_args(argv=None):
             for m in [path and data.unwritable(path, flag)] if m]
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         bad.append("--plot needs matplotlib, which is not installed: pip install matplotlib")
-    if not args.summary and (args.compare or args.plot or args.csv):
-        bad.append("--compare, --plot and --csv go with --summary RUN_DIR ...")
+    if not args.summary and (args.compare or args.plot or args.csv or args.to_measure):
+        bad.append("--compare, --to-measure, --plot and --csv go with --summary RUN_DIR ...")
+    if args.to_measure and not args.compare:
+        bad.append("--to-measure needs --compare A B")
     bad += [] if args.summary else train.missing_checkpoints(args.paths) + [
         m for folder in sorted({os.path.dirname(c) for c in args.paths})
         for m in [data.unwritable(os.path.join(folder, "probe.jsonl"), "the output")] if m]
@@ -706,6 +740,11 @@ def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     with train.measuring_rows("probe.py", "probe.jsonl", "probed") as written:
+        if args.to_measure:
+            table = summary_table(args.paths, args.min_step, every=True)[1]
+            paths = [p for a, b in args.compare for p in to_measure(table, a, b)]
+            print("\n".join(dict.fromkeys(paths)))
+            return
         if args.summary:
             columns, table = summary_table(args.paths, args.min_step)
             pairs = print_summary(columns, table, args.csv, args.compare)

@@ -3635,6 +3635,40 @@ def test_probe_compare_never_pairs_a_checkpoint_with_itself(tmp_path):
         probe.compare(table, "linear_C", "br-*@last", "run@kl")
 
 
+def test_probe_compare_kl_later_pairs_only_checkpoints_trained_longer(tmp_path):
+    """run@3000 (KL 0.030) against the branches: @kl takes br-from2000's floor (step 2500, KL
+    0.0211, the nearest), @kl-later only what was trained longer: br-from3000 at step 3500."""
+    runs, _ = _probe_toy_chain(tmp_path)
+    _, table = probe.summary_table(runs)
+    for spec, step in (("br-*@kl", 2500), ("br-*@kl-later", 3500)):
+        _, pairs = probe.compare(table, "linear_C", "run@3000", spec)
+        assert [b["step"] for _, _, b, _ in pairs] == [step] * 3, spec
+
+
+def test_probe_to_measure_lists_the_pairs_checkpoints_from_every_evaluated_one(tmp_path):
+    """--to-measure: A's checkpoint and B's two nearest KLs among every evaluated checkpoint
+    whose file exists, probed or not: an unprobed step 2100 (KL 0.0401) is the best match of
+    br-from1000's floor (0.0402), step 2000 the next; a checkpoint without a file is passed."""
+    runs, _ = _probe_toy_chain(tmp_path)
+    for run in runs:
+        for r in probe.read_jsonl(os.path.join(run, "metrics.jsonl")):
+            open(train.ckpt_path(run, r["step"]), "w").close()
+    run0 = os.path.join(str(tmp_path), "run-s0")
+    with open(os.path.join(run0, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": 2100, "eval_loss": 3.2401, "entropy": 3.2, "kl": 0.0401,
+                            "kl_se": 0.001}) + "\n")
+    open(train.ckpt_path(run0, 2100), "w").close()
+    os.remove(train.ckpt_path(os.path.join(str(tmp_path), "run-s1"), 2000))
+    _, table = probe.summary_table(runs, every=True)
+    got = [os.path.relpath(p, str(tmp_path)) for p in
+           probe.to_measure(table, "br-from1000@last", "run@kl")]
+    assert got == ["br-from1000-s0/ckpt_0001500.pt", "run-s0/ckpt_0002100.pt",
+                   "run-s0/ckpt_0002000.pt", "br-from1000-s1/ckpt_0001500.pt",
+                   "run-s1/ckpt_0001000.pt", "run-s1/ckpt_0003000.pt",
+                   "br-from1000-s2/ckpt_0001500.pt", "run-s2/ckpt_0002000.pt",
+                   "run-s2/ckpt_0001000.pt"]
+
+
 def test_probe_same_loss_statistic_equals_numpy(tmp_path):
     """The matched pairs' statistic: per seed the mean over its pairs, then mean and se over
     seeds, of the accuracy difference and the log trace ratio; the flatter side's wins."""
@@ -3875,7 +3909,7 @@ def test_probe_cli_prints_the_row_without_per_sentence_counts(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--summary", "RUN", "--csv", "TMP"], "is a folder; it must be a file"),
-    (["CKPT", "--compare", "a@1", "b@1"], "--compare, --plot and --csv go with --summary"),
+    (["CKPT", "--compare", "a@1", "b@1"], "--compare, --to-measure, --plot and --csv go with --summary"),
     (["CKPT", *_PROBE_CLI_SMALL, "--threads", "0"], "argument --threads: must be >= 1 (got 0)"),
 ])
 def test_probe_cli_usage_errors(tmp_path, capsys, argv, message):
