@@ -32,6 +32,7 @@ FUSED_ATTENTION = False
 LN_EPS = 1e-5  # LayerNorm eps (PyTorch's default); grow()'s post-LN depth construction uses it
 ARCHS = ("transformer", "lstm")
 LNS = ("post", "pre")
+SPLITS = ("even", "random")  # grow(): how a weight that reads k copies is shared among them
 
 
 @dataclass
@@ -254,15 +255,19 @@ class LSTM(nn.Module):
         return self.head(self.drop(h))
 
 
-def grow(model, width=2, extra_layers=0, seed=0):
+def grow(model, width=2, extra_layers=0, seed=0, split="even"):
     """App. B.1.3: the model embedded in one with `width` = k times the heads, features and MLP
     units (LSTM: hidden units) and `extra_layers` more transformer blocks on top, computing the
     same logits (exactly, up to float rounding). The source model is left unchanged.
 
     Width: every feature, head, MLP unit and LSTM unit (per gate, per direction) is copied k
-    times and every weight that reads copies is divided by k, so each residual stream / LSTM
-    state is exactly [h, ..., h]: a LayerNorm sees the same mean and variance, attention the same
-    scores. The tied output layer would give k times the logits, so the LayerNorm producing h_L
+    times and every weight that reads copies is split among them: split="even", w/k to each
+    copy (the copies then get equal gradients, and under any optimizer stay copies: the grown
+    model keeps the small one's solution); split="random" (Net2Net), w times fractions drawn
+    per weight, uniform in [0.5, 1.5] normalised to sum 1 over the k copies, from a
+    torch.Generator seeded with `seed` (the copies get unequal gradients and can part). Either
+    way each residual stream / LSTM state is exactly [h, ..., h]: a LayerNorm sees the same
+    mean and variance, attention the same scores. The tied output layer would give k times the logits, so the LayerNorm producing h_L
     (pre-LN: ln_f; post-LN: the last block's ln_2) has its gain and bias divided by k, and
     features() become [h, ..., h] / k; the LSTM's head divides by k instead.
     Depth (transformers): a new block with zero attention and MLP output projections (its other
@@ -280,15 +285,23 @@ def grow(model, width=2, extra_layers=0, seed=0):
             and isinstance(extra_layers, int) and extra_layers >= 0):
         raise ValueError(f"grow: width must be an integer >= 1 and extra_layers an integer >= 0, "
                          f"got width={width!r}, extra_layers={extra_layers!r}")
+    if split not in SPLITS:
+        raise ValueError(f"grow: split must be one of {SPLITS}, got {split!r}")
     if extra_layers and config.arch == "lstm":
         raise ValueError("grow: extra_layers > 0 is not supported for an LSTM: a layer has no "
                          "residual path, so no new layer on top reproduces the old outputs; use "
                          "extra_layers=0 (width is exact)")
     # BEGIN EXERCISE grow requires attention
-    k = width
+    k, gen = width, torch.Generator().manual_seed(seed)
 
-    def tile(w, n_row=1, n_col=1):  # w in n_row x n_col blocks, each repeated k x k, over k
-        return torch.cat([torch.cat([b.repeat(k, k) / k for b in row.chunk(n_col, 1)], 1)
+    def shares(b, n_row):  # b.repeat(n_row, k) times fractions summing to 1 over the k copies
+        if split == "even":
+            return b.repeat(n_row, k) / k
+        u = torch.rand(k, n_row * b.shape[0], b.shape[1], generator=gen, dtype=torch.float64) + 0.5
+        return b.repeat(n_row, k) * torch.cat(list(u / u.sum(0)), 1).to(b)
+
+    def tile(w, n_row=1, n_col=1):  # w in n_row x n_col blocks, each copied k x k, split
+        return torch.cat([torch.cat([shares(b, k) for b in row.chunk(n_col, 1)], 1)
                           for row in w.chunk(n_row, 0)], 0)
 
     def tile_vec(b, n=1):  # b in n parts, each repeated k times
@@ -301,7 +314,7 @@ def grow(model, width=2, extra_layers=0, seed=0):
         elif name in ("out_bias", "head.bias"):
             state[name] = p
         elif name == "head.weight":  # reads [forward, backward], each now k copies
-            state[name] = torch.cat([b.repeat(1, k) / k for b in p.chunk(2, 1)], 1)
+            state[name] = torch.cat([shares(b, 1) for b in p.chunk(2, 1)], 1)
         elif name.endswith("qkv.weight"):
             state[name] = tile(p, n_row=3)  # queries, keys, values each: heads copied
         elif name.endswith("qkv.bias"):

@@ -1230,6 +1230,53 @@ def test_model_grown_blocks_get_gradient(ln):
         'expected big.blocks[2].mlp.proj.weight.grad.abs().max() > 0'
 
 
+@exercise("grow")
+@pytest.mark.parametrize("arch,ln,width,extra", [("transformer", "pre", 2, 1),
+                                                 ("transformer", "post", 3, 1),
+                                                 ("lstm", "pre", 2, 0)])
+def test_model_grow_random_split_is_exact_and_seeded(arch, ln, width, extra):
+    """split="random": the same logits as the source; the fractions come from `seed` alone."""
+    small = _model_randomise(model.build(_model_config(arch, ln)), seed=1)
+    tokens, _ = _model_tokens(seed=3)
+    grown = [model.grow(small, width, extra, seed=s, split="random") for s in (0, 0, 1)]
+    assert (grown[0](tokens) - small(tokens)).abs().max() <= 1e-10
+    a, b, c = (g.state_dict() for g in grown)
+    assert all(torch.equal(a[k], b[k]) for k in a), "the same seed must give the same model"
+    assert any(not torch.equal(a[k], c[k]) for k in a), "another seed must give another split"
+    even = model.grow(small, width, extra, split="even").state_dict()
+    assert any(not torch.equal(a[k], even[k]) for k in a), "random split equals the even one"
+
+
+@exercise("grow")
+@pytest.mark.parametrize("arch", ["transformer", "lstm"])
+def test_model_grow_split_decides_whether_copies_part_under_adamw(arch):
+    """Copies of a unit (a transformer's first MLP unit, an LSTM's first input-gate unit) get
+    equal gradients and stay equal through AdamW steps when split evenly, and get different
+    gradients (not proportional: Adam would rescale those away) and part when split randomly."""
+    small = _model_randomise(model.build(_model_config(arch)), seed=1).train()
+    tokens, _ = _model_tokens(seed=3)
+    targets = torch.randint(0, _MODEL_V - 2, tokens.shape,
+                            generator=torch.Generator().manual_seed(4))
+    for split in ("even", "random"):
+        big = model.grow(small, 2, split=split, seed=5)
+        w = big.blocks[0].mlp.fc.weight if arch == "transformer" else big.lstm.weight_ih_l0
+        n = w.shape[0] // 2 if arch == "transformer" else small.config.lstm_hidden
+        # rows 0 and n are copies of one unit (LSTM: the input gate's block is [i, i])
+        opt = torch.optim.AdamW(big.parameters(), lr=1e-2)
+        for step in range(3):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(big(tokens).flatten(0, 1), targets.flatten())
+            loss.backward()
+            if step == 0:
+                g0, g1 = w.grad[0], w.grad[n]
+                cosine = float(g0 @ g1 / (g0.norm() * g1.norm()))
+                assert (torch.allclose(g0, g1, atol=1e-12) if split == "even"
+                        else cosine < 1 - 1e-6), (split, cosine)
+            opt.step()
+        parted = float((w[0] - w[n]).abs().max())
+        assert parted < 1e-12 if split == "even" else parted > 1e-4, (split, parted)
+
+
 def test_model_post_ln_zero_block_changes_function():
     """App. B.1's zero-filled block on top: exact for pre-LN, not for post-LN (model.py
     docstring)."""
@@ -2683,6 +2730,7 @@ def _train_with_lstm_source(argv, train_grown_runs):
 
 @pytest.mark.parametrize("argv", [
     ["--grow-width", "3"],
+    ["--grow-split", "random"],
     ["--grow-from", "SRC", "--preset", "tf-2m"],
     ["--grow-from", "SRC", "--lang", "pcfg"],
 ])

@@ -452,6 +452,8 @@ def parse_args(argv=None):
     a("--grow-from", metavar="CKPT", help="start from model.grow(CKPT's model) (App. B.1.3)")
     a("--grow-width", type=COUNT, default=2, help="with --grow-from: width factor (default 2)")
     a("--grow-layers", type=NATURAL, default=0, help="with --grow-from: transformer blocks added")
+    a("--grow-split", choices=model.SPLITS, default="even", help="with --grow-from: a weight "
+      "reading k copies, split evenly (they stay copies) or at random (Net2Net: they can part)")
     a("--algo", default="adamw", choices=ALGOS, metavar="S", help=f"{', '.join(ALGOS)}")
     a("--steps", type=NATURAL, default=3000, help="updates (default 3000; --resume: extends)")
     a("--batch", type=COUNT, default=256, help="global batch in sentences, split over processes")
@@ -498,8 +500,8 @@ def parse_args(argv=None):
         p.error("--resume continues a run in its folder, --branch-from starts a new one: not both")
     if args.resume is not None or args.branch_from is not None:
         return merge_stored(args, given)
-    if args.grow_from is None and {"grow_width", "grow_layers"} & given:
-        p.error("--grow-width and --grow-layers need --grow-from CKPT")
+    if args.grow_from is None and {"grow_width", "grow_layers", "grow_split"} & given:
+        p.error("--grow-width, --grow-layers and --grow-split need --grow-from CKPT")
     if args.grow_from is not None:
         clash = [f for f in ("lang", "lang_seed", "preset", *SIZE_OVERRIDES) if f in given]
         if clash:
@@ -623,7 +625,7 @@ def grow_model(args):
                  if c.arch == "transformer" else {"lstm_hidden": c.lstm_hidden * args.grow_width})
         check_memory(args, model.ModelConfig(**{**vars(c), **wider}), lang)
         big = model.grow(small, width=args.grow_width, extra_layers=args.grow_layers,
-                         seed=stream_seed(args.seed, "init"))
+                         seed=stream_seed(args.seed, "init"), split=args.grow_split)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"train.py: --grow-from: {e}")
     return big.train(), lang, source
