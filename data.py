@@ -166,7 +166,6 @@ class HMM:
         self.max_len = int(length)
         self._cdf_init, self._cdf_trans, self._cdf_emit = (
             _cdf_table(self.init[None]), _cdf_table(self.trans), _cdf_table(self.emit))
-        self._blocks = _hmm_blocks(self.trans, self.emit)  # for _by_block, the fast path
 
     @classmethod
     def random(cls, n_states=100, vocab_size=200, seed=0, n_blocks=4, length=16,
@@ -213,13 +212,24 @@ class HMM:
     def mlm_conditional(self, tokens, lengths=None):
         """Exact Pr(x_t = w | x_-t) [n, T, V] float64 = Σ_h Pr(h_t = h | x_-t) emit[h, w]
         (§2.1, App. A.1; hmm_forward_backward; rows sum to 1 as emit's do). Zero at t >= length;
-        mask_id(V) words are summed out, so masked model inputs can be passed as they are.
-        Computed on each sentence's block of states and words (_by_block)."""
-        return _by_block(self, tokens, lengths, over_words=True)
+        mask_id(V) words are summed out, so masked model inputs can be passed as they are."""
+        p, valid = self._posterior(hmm_forward_backward, tokens, lengths)
+        p = p @ self.emit
+        p[~valid] = 0.0
+        return p
 
     def state_posterior(self, tokens, lengths=None):
         """Pr(h_t = h | x) [n, T, S] float64 (hmm_state_posterior; also past the length)."""
-        return _by_block(self, tokens, lengths, over_words=False)
+        return self._posterior(hmm_state_posterior, tokens, lengths)[0]
+
+    def _posterior(self, posterior, tokens, lengths):
+        """(posterior(...) over the observed words: neither masked nor past the length, the
+        positions' validity [n, T]); a sentence of probability 0 is a one-line ValueError."""
+        tokens, lengths, valid = _check_sentences("HMM", tokens, lengths, self.vocab_size)
+        observed = valid & (tokens != mask_id(self.vocab_size))
+        p = posterior(self.init, self.trans, self.emit, torch.where(observed, tokens, 0), observed)
+        _refuse(p.isnan().any(2).any(1), torch.arange(len(p)), "HMM: ")
+        return p, valid
 
     @property
     def tasks(self):
@@ -726,47 +736,6 @@ def _components(link):
         if torch.equal(new, label):
             return label
         label = new
-
-
-# ------------------------------------------------------- the HMM's fast path: block by block ---
-
-def _hmm_blocks(trans, emit):
-    """([(states, words)] of each block, the block of each word [V], -1 if none): states linked
-    by a transition either way or a shared word. A sentence never leaves its words' block."""
-    nz = (emit > 0).double()
-    label = _components((trans > 0) | (trans > 0).T | ((nz @ nz.T) > 0))
-    blocks = [((label == b).nonzero()[:, 0], (emit[label == b] > 0).any(0).nonzero()[:, 0])
-              for b in label.unique()]
-    word_block = torch.full((emit.shape[1],), -1)
-    for b, (_, words) in enumerate(blocks):
-        word_block[words] = b
-    return blocks, word_block
-
-
-def _by_block(hmm, tokens, lengths, over_words):
-    """HMM.mlm_conditional (over_words) or .state_posterior, each sentence's computed on the
-    sub-HMM of its block: exact, and B^2 times less work for B equal blocks. Sentences with
-    fewer than two observed words (x_-t may show no block) or with words of two blocks
-    (probability 0) use the whole HMM."""
-    tokens, lengths, valid = _check_sentences("HMM", tokens, lengths, hmm.vocab_size)
-    observed = valid & (tokens != mask_id(hmm.vocab_size))
-    x = torch.where(observed, tokens, 0)
-    (n, T), (blocks, word_block) = x.shape, hmm._blocks
-    block = word_block[x[torch.arange(n), observed.int().argmax(1)]]
-    block[(observed.sum(1) < 2) | (observed & (word_block[x] != block[:, None])).any(1)] = -1
-    out = torch.zeros(n, T, hmm.vocab_size if over_words else hmm.n_states, dtype=torch.float64)
-    for b, (states, words) in enumerate(blocks + [(torch.arange(hmm.n_states),
-                                                   torch.arange(hmm.vocab_size))]):
-        rows = (block == (b if b < len(blocks) else -1)).nonzero()[:, 0]
-        if len(rows):
-            sub = (hmm.init[states], hmm.trans[states][:, states], hmm.emit[states][:, words],
-                   torch.searchsorted(words, x[rows]), observed[rows])  # the block's word ids
-            p = hmm_forward_backward(*sub) @ sub[2] if over_words else hmm_state_posterior(*sub)
-            _refuse(p.isnan().any(2).any(1), rows, "HMM: ")
-            out[rows[:, None, None], torch.arange(T)[:, None], words if over_words else states] = p
-    if over_words and not valid.all():
-        out[~valid] = 0.0
-    return out
 
 
 # ---------------------------------------------------------------- samplers, random grammar ---

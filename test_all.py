@@ -4615,19 +4615,30 @@ def test_handout_student_copy_compiles_and_keeps_markers(tmp_path):
 
 def test_handout_grade_reports_blank_failed_and_passed(tmp_path):
     """--grade on a student copy: mask left blank, lr_schedule written wrong (no warm-up),
-    partial_r2 untouched: one line each, with the count of its tests that pass."""
+    partial_r2 untouched, task_label untouched but its required hmm_conditional blank: one
+    line each, with the count of its tests that pass and why a failed one fails; and the
+    same as Gradescope's results.json."""
     handout = _handout()
     if "NotImplementedError('exercise partial_r2:" in Path(probe.__file__).read_text():
         pytest.skip("needs exercise partial_r2 written: it is the one that passes here")
     out = tmp_path / "class"
-    handout.write_handout(str(out), ["mask", "lr_schedule"])
+    handout.write_handout(str(out), ["mask", "lr_schedule", "hmm_conditional"])
     text = (out / "train.py").read_text()
     blank = re.search(r"( *)raise NotImplementedError\('exercise lr_schedule:[^\n]*", text)
     (out / "train.py").write_text(text.replace(blank[0], f"{blank[1]}return args.lr"))
-    rows = handout.grade(str(out), ["mask", "lr_schedule", "partial_r2"])
+    rows = handout.grade(str(out), ["mask", "lr_schedule", "partial_r2", "task_label"])
     assert [r[:2] for r in rows] == [("mask", "blank"), ("lr_schedule", "failed"),
-                                     ("partial_r2", "passed")], rows
+                                     ("partial_r2", "passed"), ("task_label", "failed")], rows
     assert rows[0][2] == 0 and 0 <= rows[1][2] < rows[1][3] and rows[2][2] == rows[2][3] >= 2
+    assert rows[3][4] == "it requires hmm_conditional, left blank"     # why it fails
+    assert rows[1][4] and "hmm_conditional" not in rows[1][4]           # its own failing test
+    results = handout.results_json(rows)           # Gradescope: a test per exercise
+    assert [t["name"] for t in results["tests"]] == [r[0] for r in rows]
+    assert [t["score"] for t in results["tests"]] == [0.0, round(rows[1][2] / rows[1][3], 4),
+                                                      1.0, round(rows[3][2] / rows[3][3], 4)]
+    assert all(t["max_score"] == 1.0 for t in results["tests"])
+    assert results["score"] == pytest.approx(sum(t["score"] for t in results["tests"]))
+    assert "left blank" in results["tests"][3]["output"]
 
 
 def test_handout_grade_survives_a_loop_a_syntax_error_and_the_wrong_folder(tmp_path):

@@ -15,9 +15,13 @@ docstrings and replaces each chosen region by `raise NotImplementedError("exerci
   python .ci/handout.py OUT trace_hessian grow  # ... only these blank
   python .ci/handout.py --grade [NAME ...]      # in a student's copy (the folder it is run
                                                 # in): a line per exercise
+  python .ci/handout.py --grade --results results.json   # and the autograder's file (Gradescope)
 Grading one exercise: `python -m pytest -q test_all.py -k ex_<name>` in the student's copy;
 --grade runs them all (or those named) and prints each one blank, passed or failed, with the
-number of its tests that pass. Standard library only (pytest runs in a subprocess).
+number of its tests that pass, and for a failed one why: an exercise it requires left blank,
+or its first failing test. --results writes the same as Gradescope's results.json (a test per
+exercise: score = the fraction of its tests that pass, 0 if blank; maximum 1; the line as
+output). Standard library only (pytest runs in a subprocess).
 """
 import argparse
 import ast
@@ -219,9 +223,10 @@ def run_pytest(folder, args, tags=False, limit=TIME_LIMIT):
 
 
 def grade(folder, names, limit=TIME_LIMIT):
-    """[(exercise, "blank" | "passed" | "failed", tests passed, tests)] for the exercises
+    """[(exercise, "blank" | "passed" | "failed", tests passed, tests, why)] for the exercises
     `names` of the copy in `folder`: blank if its region still raises the handout's
-    NotImplementedError, passed if all its tests pass."""
+    NotImplementedError, passed if all its tests pass; why (failed): the required exercises
+    left blank, else the first line of its first failing test's message."""
     exercises = find_exercises(folder)
     unknown = [n for n in names if n not in exercises]
     if unknown:
@@ -231,20 +236,38 @@ def grade(folder, names, limit=TIME_LIMIT):
     results, _, out, tags = run_pytest(folder, ["-k", " or ".join(f"ex_{n}" for n in names)],
                                        tags=True, limit=limit)
     if not results and syntax_errors(exercises):     # nothing imports: every exercise fails
-        return [(n, "failed", 0, 0) for n in names]
+        return [(n, "failed", 0, 0, "a syntax error: nothing imports") for n in names]
     if not results:
         raise HandoutError(f"pytest ran no test in {folder}: {out.strip().splitlines()[-1:]}")
-    rows = []
-    for name in names:
+    def is_blank(name):
         ex = exercises[name]
         with open(os.path.join(folder, ex["file"]), encoding="utf-8") as f:
             region = "".join(f.readlines()[ex["begin"]:ex["end"] - 1])
+        return f"NotImplementedError('exercise {name}:" in region
+    rows = []
+    for name in names:
         tests = [t for t, of in tags.items() if name in of and t in results]
         passed = sum(results[t][0] == "passed" for t in tests)
-        blank = f"NotImplementedError('exercise {name}:" in region
-        rows.append((name, "blank" if blank else "passed" if passed == len(tests) and tests
-                     else "failed", passed, len(tests)))
+        status = ("blank" if is_blank(name) else "passed" if passed == len(tests) and tests
+                  else "failed")
+        why = ""
+        if status == "failed":
+            blank = sorted(n for n in closure(exercises, [name]) - {name} if is_blank(n))
+            failing = [results[t][1].strip() for t in tests if results[t][0] != "passed"]
+            why = (f"it requires {', '.join(blank)}, left blank" if blank else
+                   (failing[0].splitlines() or ["no test ran"])[0][:160] if failing else
+                   "no test ran")
+        rows.append((name, status, passed, len(tests), why))
     return rows
+
+
+def results_json(rows):
+    """Gradescope's results.json for grade()'s rows: a test per exercise (score, max_score 1,
+    name, output) and the total score."""
+    tests = [{"name": name, "score": 0.0 if status == "blank" else round(passed / n, 4) if n
+              else 0.0, "max_score": 1.0, "output": f"{status}: {passed}/{n} tests pass"
+              + (f"; {why}" if why else "")} for name, status, passed, n, why in rows]
+    return {"score": round(sum(t["score"] for t in tests), 4), "tests": tests}
 
 
 def syntax_errors(exercises):
@@ -278,6 +301,8 @@ def main(argv=None):
     p.add_argument("--list", action="store_true", help="list the exercises and exit")
     p.add_argument("--grade", nargs="*", metavar="NAME", help="grade this copy's exercises "
                    "(default: all): blank, passed or failed, and tests passed")
+    p.add_argument("--results", metavar="FILE", help="with --grade: also write Gradescope's "
+                   "results.json to FILE")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)    # SIGTERM as Ctrl-C
     try:
@@ -286,10 +311,17 @@ def main(argv=None):
             rows = grade(folder, [n for n in [args.out, *args.names, *args.grade] if n])
             for broken in syntax_errors(find_exercises(folder)):
                 print(f"syntax error, nothing in its file can run: {broken}")
-            for name, status, passed, n in rows:
-                print(f"{name:18} {status:6}  {passed}/{n} tests pass")
-            done = sum(status == "passed" for _, status, _, _ in rows)
+            for name, status, passed, n, why in rows:
+                print(f"{name:18} {status:6}  {passed}/{n} tests pass" + (f"  ({why})" if why
+                                                                          else ""))
+            done = sum(row[1] == "passed" for row in rows)
             print(f"{done} of {len(rows)} exercises pass")
+            if args.results:
+                tmp = args.results + ".tmp"
+                with open(tmp, "w") as f:
+                    json.dump(results_json(rows), f, indent=1)
+                os.replace(tmp, args.results)            # whole or not at all
+                print(f"wrote {args.results}")
             return
         exercises = find_exercises()
         if args.list or args.out is None:
