@@ -9,7 +9,8 @@ checkpoints store; language_from_spec). Words are 0..V-1, then mask_id(V) and pa
 
 Reading order: mask_one; hmm_forward_backward, hmm_state_posterior, HMM; inside, outside,
 pcfg_conditional, PCFG; mlm_entropy. After the plumbing banner: validation, samplers, rule
-files, the fast inside-outside the experiments run, the CLI.
+files, the fast inside-outside of the paper-size grammars (FAST_INSIDE_OUTSIDE; every CPU-scale
+grammar runs the plain form), the CLI.
 
 Run (prints the language, its tasks and optimal MLM loss; writes sentences, task labels and
 the spec, read back by torch.load(FILE, weights_only=True)):
@@ -33,24 +34,24 @@ import torch.nn.functional as F
 N_SPECIAL = 2  # [MASK] and [PAD] follow the V words
 
 # The switch between the paper's plain inside() / outside() (False: what a student writes) and
-# _InsideOutside (True: scaled and block-sparse, held equal by the tests); None picks the plain
-# form up to 32 symbols (pcfg-small, pcfg-deep) and the fast one above (the paper-size grammars,
-# 50 symbols and 32 words, where the plain form is slow and nears float64 underflow; figures in
-# .bench/README.md).
+# _InsideOutside (True: scaled and block-sparse; the tests hold the two equal). None picks the
+# plain form up to 32 symbols (every CPU-scale grammar: pcfg-small, pcfg-deep) and the fast one
+# above (the paper-size grammars, where the plain form is slow and nears float64 underflow).
 FAST_INSIDE_OUTSIDE = None
 
 HMM_SMALL = dict(n_states=20, vocab_size=50, n_blocks=2, length=16)  # "hmm-small": CPU scale
 
 # The CPU-scale PCFG ("pcfg-small"): a grammar a small transformer saturates on one CPU thread.
 # Four levels keep sentences <= 8 words, so tasks A, B, C all name the root; task D, the symbol
-# spanning words 3-4, lies two levels below it. D is almost a function of its two words (the
-# one-hot words nearly reach the exact chart: probe.py --method onehot / chart): no model can
-# show an effect on it, the negative control beside pcfg-deep.
+# spanning words 3-4, is almost a function of its two words: the negative control beside
+# pcfg-deep.
 PCFG_SMALL = dict(n_symbols=10, vocab_size=24, n_levels=4, rules_per_symbol=4,
                   words_per_symbol=12, max_len=8, span_tasks={"D": (2, 2)})
 
-# The hierarchical PCFG ("pcfg-deep", PCFG.hierarchy): 3 levels of 8 symbols over 8 one-word
-# preterminals, 4 rules each, no two symbols sharing a rule. Every sentence has 8 words and one
+# The hierarchical PCFG ("pcfg-deep"): the Random Hierarchy Model (Cagnetta et al., 2024) written
+# as a CNF grammar, not the paper's App. A.1 grammar. PCFG.hierarchy with n_levels = 3: levels
+# 0..3 of 8 symbols each; a symbol of levels 0..2 has 4 rules A -> B C onto the next level, no
+# pair shared, and each level-3 symbol emits one word. Every sentence has 2^3 = 8 words and one
 # parse, so the root (task A) is a function of all 8 words, far from any one of them.
 PCFG_DEEP = dict(n_per_level=8, rules_per_symbol=4, n_levels=3)
 
@@ -206,7 +207,7 @@ class HMM:
                 states.T.contiguous())
 
     def sentences(self, n, seed=0):
-        """(tokens [n, T], lengths [n]) of fresh sentences (all of length T)."""
+        """(tokens [n, T], lengths [n]) of n sentences (all of length T)."""
         return self.sample(n, seed=seed)[:2]
 
     def mlm_conditional(self, tokens, lengths=None):
@@ -223,8 +224,7 @@ class HMM:
         return self._posterior(hmm_state_posterior, tokens, lengths)[0]
 
     def _posterior(self, posterior, tokens, lengths):
-        """(posterior(...) over the observed words: neither masked nor past the length, the
-        positions' validity [n, T]); a sentence of probability 0 is a one-line ValueError."""
+        """(posterior(...) given the words neither masked nor past the length, valid [n, T])."""
         tokens, lengths, valid = _check_sentences("HMM", tokens, lengths, self.vocab_size)
         observed = valid & (tokens != mask_id(self.vocab_size))
         p = posterior(self.init, self.trans, self.emit, torch.where(observed, tokens, 0), observed)
@@ -242,8 +242,8 @@ class HMM:
         return self.n_states
 
     def task_data(self, task, n, seed=0, label="posterior"):
-        """(tokens, lengths, labels [n]) for task-k: the Bayes label argmax_h Pr(h_k = h | x),
-        or with label="sampled" the state the sentence was drawn with."""
+        """(tokens, lengths, labels [n]) for task-k on the sentences of sentences(n, seed): the
+        Bayes label argmax_h Pr(h_k = h | x), or with label="sampled" the state drawn there."""
         t = self._task_position(task)
         if label not in ("posterior", "sampled"):
             raise ValueError(f"HMM: label must be 'posterior' or 'sampled'; got {label!r}")
@@ -522,15 +522,15 @@ class PCFG:
                                                             end.clamp(max=tokens.shape[1])], 0.0)
 
     def task_data(self, task, n, seed=0):
-        """(tokens, lengths, labels [n]): the Bayes label argmax_s of task_posterior, on
-        sentences in which the task's span can be a constituent (others are skipped)."""
+        """(tokens, lengths, labels [n]): the Bayes label argmax_s of task_posterior, on the
+        sentences, drawn from `seed` but not those of sentences(n, seed), in which the task's
+        span can be a constituent (others are skipped)."""
         self._span_length(task)
         toks, lens, labs, got, tried, rnd = [], [], [], 0, 0, 0
         while got < n:
             rate = 1.0 if not tried else max(got / tried, 0.05) if got else 1e-3   # kept so far
             m = min(int(1.1 * (n - got) / rate) + 16, 22 * n + 10_000)
-            t, l = self.sentences(m,                                # not sentences(seed);
-                                  seed=((seed + 1) * 1000003 + rnd) % 2 ** 63)  # a 63-bit seed
+            t, l = self.sentences(m, seed=((seed + 1) * 1000003 + rnd) % 2 ** 63)  # 63 bits
             post = self.task_posterior(task, t, l)
             ok = post.sum(1) > 1e-12
             toks.append(t[ok]), lens.append(l[ok]), labs.append(post[ok].argmax(1))
@@ -556,7 +556,6 @@ class PCFG:
                                  for a, bb, c in b.tolist()],
                 "lexical_rules": [[a, w, self.lexical[a, w].item()] for a, w in lx.tolist()],
                 "symbols": self.symbols, "words": self.words, "origin": self.origin,
-                # only when present, so specs of grammars without them stay as they were
                 **({"span_tasks": {k: list(v) for k, v in self.span_tasks.items()}}
                    if self.span_tasks else {})}
 
@@ -596,16 +595,14 @@ def language_from_spec(spec):
             _check_count(spec["length"], "length")
             check_size(8 * (3 * S * S + 4 * S * V), f"the hmm spec's {S} states x {V} words")
             return HMM(spec["init"], spec["trans"], spec["emit"], length=spec["length"])
-        S, V = (_check_count(spec[k], k) for k in ("n_symbols", "vocab_size"))
-        _check_count(spec["max_len"], "max_len")       # batches are padded to it: train.py
+        S, V, _ = (_check_count(spec[k], k) for k in ("n_symbols", "vocab_size", "max_len"))
         check_size(8 * 6 * S * (S * S + V), f"the pcfg spec's {S} symbols (a {S} x {S} x {S} "
                    f"rule table)")
-        binary = torch.zeros(S, S, S, dtype=torch.float64)
-        lexical = torch.zeros(S, V, dtype=torch.float64)
-        for table, rules, n in ((binary, spec["binary_rules"], 3), (lexical, spec["lexical_rules"],
-                                                                   2)):
+        binary, lexical = (torch.zeros(shape, dtype=torch.float64) for shape in ((S, S, S), (S, V)))
+        for table, rules in ((binary, spec["binary_rules"]), (lexical, spec["lexical_rules"])):
             for rule in rules:
                 *ids, p = rule
+                n = table.dim()
                 if len(ids) != n or not all(type(i) is int and 0 <= i < d
                                             for i, d in zip(ids, table.shape)):
                     raise ValueError(f"rule {rule!r} must be {n} ids (symbols < {S}, words < {V})"
@@ -623,14 +620,14 @@ def language_from_spec(spec):
 
 
 def _check_count(v, name):
-    """`v` if it is an integer >= 1 (not a bool), else a ValueError naming the spec entry."""
+    """`v` if it is an integer >= 1 (not a bool), else a ValueError naming it."""
     if type(v) is not int or v < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     return v
 
 
 def _as_float64(x, name):
-    """`x` (tensor, numpy array or nested list) as a float64 CPU tensor, or a clear error."""
+    """`x` (tensor, numpy array or nested list) as a float64 CPU tensor, or a ValueError."""
     try:
         x = x.detach().cpu().double().numpy() if torch.is_tensor(x) else x
         return torch.tensor(np.asarray(x, dtype=np.float64))
@@ -1080,9 +1077,7 @@ class _InsideOutside:
         return z
 
 
-# ===================================================================================== CLI ===
-
-# ------------------------------------------------------------- command-line input, checked ---
+# ======================================== the CLI: flags and writes (shared with later scripts) ===
 
 SEED_MAX = 2**32 - 1  # numpy's largest seed
 
@@ -1112,9 +1107,8 @@ def float_flag(lo=None, hi=None, open_lo=False):
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
         below = lo is not None and (value <= lo if open_lo else value < lo)
         if not math.isfinite(value) or below or hi is not None and value > hi:
-            where = (f"{'(' if open_lo else '['}{lo}, " + (f"{hi}]" if hi is not None else
-                                                             "inf), finite")
-                     if lo is not None else "a finite number")
+            where = ("a finite number" if lo is None else f"{'(' if open_lo else '['}{lo}, "
+                     + (f"{hi}]" if hi is not None else "inf), finite"))
             raise argparse.ArgumentTypeError(f"must be in {where} (got {text})")
         return value
     number.metavar = "X"
@@ -1205,14 +1199,14 @@ def _parser():
     p = argparse.ArgumentParser(description="Sample a synthetic language (App. A.1): sentences, "
                                 "task labels and the generator's spec, for torch.load(FILE, "
                                 "weights_only=True).")
-    p.add_argument("kind", choices=list(LANGUAGES), help="which language (data.LANGUAGES)")
-    p.add_argument("--n", type=int_flag(1), default=10000, help="number of sentences")
-    p.add_argument("--seed", type=int_flag(0, SEED_MAX), default=0,
-                   help="seed of the language and the sample")
-    p.add_argument("--out", required=True, help="output file (.pt)")
-    p.add_argument("--rules", help="pcfg only: the grammar of this rule file (parse_rules)")
-    p.add_argument("--conditionals", action="store_true",
-                   help="also store the exact conditionals Pr(x_t | x_-t) [n, T, V] (large)")
+    a = p.add_argument
+    a("kind", choices=list(LANGUAGES), help="which language (data.LANGUAGES)")
+    a("--n", type=int_flag(1), default=10000, help="number of sentences")
+    a("--seed", type=int_flag(0, SEED_MAX), default=0, help="seed of the language and the sample")
+    a("--out", required=True, help="output file (.pt)")
+    a("--rules", help="pcfg only: the grammar of this rule file (parse_rules)")
+    a("--conditionals", action="store_true",
+      help="also store the exact conditionals Pr(x_t | x_-t) [n, T, V] (large)")
     return p
 
 
@@ -1245,7 +1239,7 @@ def sample_to_file(argv=None):
     print(f"{lang!r}: {args.n} sentences, mean length {lengths.double().mean():.2f}")
     out = {"spec": lang.spec(), "seed": args.seed, "tokens": tokens, "lengths": lengths,
            "labels": {}}
-    for task in lang.tasks:  # each task gets its own fresh sentences, as the paper's sets do
+    for task in lang.tasks:  # seed + 1: not the sentences above; all tasks draw from one stream
         t, l, y = lang.task_data(task, args.n, seed=args.seed + 1)
         out["labels"][task] = {"tokens": t, "lengths": l, "labels": y}
         print(f"task {task}: {len(torch.unique(y))} distinct labels", flush=True)
