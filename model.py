@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 HEAD_DIM = 64  # App. B.1.2, following BERT: every attention head has dimension 64
 # The switch between attention() (False: the plain form, what a student writes) and PyTorch's
-# fused kernel (True: fast_attention, for GPU runs). Attention dropout always takes the fused one.
+# fused kernel (True: fast_attention, for GPU runs: train.py --fused-attention); the tests hold
+# the two equal. Attention dropout (training with dropout > 0) always takes the fused kernel.
 FUSED_ATTENTION = False
 LN_EPS = 1e-5  # LayerNorm eps (PyTorch's default); grow()'s post-LN depth construction uses it
 ARCHS = ("transformer", "lstm")
@@ -45,12 +46,9 @@ class ModelConfig:
     n_layers: int = 2  # transformer blocks, or stacked bidirectional LSTM layers
     n_heads: int = 1  # transformer only: d = head_dim * n_heads
     ln: str = "pre"  # transformer only: "post" (paper's text) | "pre" (authors' released code)
-    # dropout on embeddings, attention, residual branches / between LSTM layers
-    dropout: float = 0.0
+    dropout: float = 0.0  # on embeddings, attention, residual branches / between LSTM layers
     lstm_hidden: int = 128  # LSTM only: hidden size H per direction; features have d = 2H
-    # transformer only: width of each head. The paper's (BERT's) 64 everywhere; narrower heads
-    # make the CPU-scale models (d = 32) for the small PCFGs (§2.2).
-    head_dim: int = HEAD_DIM
+    head_dim: int = HEAD_DIM  # transformer only: the paper's (BERT's) 64; 32 in the CPU-scale tf-1m
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -77,7 +75,7 @@ class ModelConfig:
 # Sizes (§2.2: transformers 2M-730M, LSTMs 10M-135M; the shapes are ours). A preset's name is
 # its parameter count, within 5%, at its family's REFERENCE vocabulary: BERT's 30,522 tokens and
 # 128 positions for transformers, the paper's HMM (200 words + 2 special tokens) for LSTMs. On a
-# small synthetic vocabulary a transformer is much smaller ("tf-1m": 26,650 on "pcfg-small").
+# small synthetic vocabulary a transformer is much smaller than its name.
 REFERENCE = {"transformer": dict(vocab_size=30522, pad_id=0, max_len=128),
              "lstm": dict(vocab_size=202, pad_id=201, max_len=32)}
 PRESETS = {
@@ -191,7 +189,6 @@ class Transformer(nn.Module):
         self.ln_emb = nn.LayerNorm(d, eps=LN_EPS)  # h_0 = LN(embedding)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        # pre-LN's final LayerNorm
         self.ln_f = nn.LayerNorm(d, eps=LN_EPS) if config.ln == "pre" else None
         self.out_bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.apply(_init_weights)
@@ -267,9 +264,10 @@ def grow(model, width=2, extra_layers=0, seed=0, split="even"):
     per weight, uniform in [0.5, 1.5] normalised to sum 1 over the k copies, from a
     torch.Generator seeded with `seed` (the copies get unequal gradients and can part). Either
     way each residual stream / LSTM state is exactly [h, ..., h]: a LayerNorm sees the same
-    mean and variance, attention the same scores. The tied output layer would give k times the logits, so the LayerNorm producing h_L
-    (pre-LN: ln_f; post-LN: the last block's ln_2) has its gain and bias divided by k, and
-    features() become [h, ..., h] / k; the LSTM's head divides by k instead.
+    mean and variance, attention the same scores. The tied output layer would give k times the
+    logits, so the LayerNorm producing h_L (pre-LN: ln_f; post-LN: the last block's ln_2) has
+    its gain and bias divided by k, and features() become [h, ..., h] / k; the LSTM's head
+    divides by k instead.
     Depth (transformers): a new block with zero attention and MLP output projections (its other
     weights fresh from `seed`, so it can train) is the identity on a pre-LN stream. On a post-LN
     stream it is not: the paper's zero-filled blocks change the function (zero_filled_blocks,
@@ -496,10 +494,10 @@ def check_grow(seed=0):
 def main(argv=None):
     parser = argparse.ArgumentParser(description="List model.py's size presets with their "
                                      "parameter counts, or check grow() (App. B.1).")
-    parser.add_argument("--check-grow", action="store_true",
-                        help="grow float64 models and print the max |logit difference| at three "
-                             "LayerNorm parameter draws, next to the paper's zero-filled blocks")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    a = parser.add_argument
+    a("--check-grow", action="store_true", help="grow float64 models and print the max |logit "
+      "difference| at three LayerNorm parameter draws, next to the paper's zero-filled blocks")
+    a("--threads", type=int, default=1, help="torch threads (default 1)")
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error(f"--threads must be >= 1 (got {args.threads})")
