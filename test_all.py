@@ -2523,6 +2523,40 @@ def test_train_precision_may_change_on_resume(tmp_path):
     assert train.bf16(argparse.Namespace(precision="auto"), torch.device("cuda"))
 
 
+def test_train_fused_attention_flag_reaches_the_model(tmp_path, monkeypatch):
+    """--fused-attention sets model.FUSED_ATTENTION for the run (the blocks call the fused
+    kernel), not after it; a runtime setting like --compile: a resume keeps it unless given."""
+    calls, fast = [], model.fast_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fast(*args, **kwargs)
+    monkeypatch.setattr(model, "fast_attention", counted)
+    for name, flags in (("plain", []), ("fused", ["--fused-attention"])):
+        train.train(train.parse_args(_train_args(tmp_path, "--preset", "tf-1m", "--steps", 1,
+                                                 *flags, name=name)))
+        assert bool(calls) == (name == "fused") and model.FUSED_ATTENTION is False
+    resume = ["--runs", str(tmp_path), "--name", "fused", "--resume"]
+    assert train.parse_args(resume).fused_attention
+    assert not train.parse_args(resume + ["--no-fused-attention"]).fused_attention
+
+
+def test_train_dropout_flag_is_a_model_setting(tmp_path, capsys):
+    """--dropout X goes into the model's config, and so into its checkpoint; a resume keeps it
+    (another value is refused), and a grown model takes its source's."""
+    run = train.train(train.parse_args(_train_args(tmp_path, "--steps", 1, "--dropout", 0.1,
+                                                   name="d")))
+    net, ckpt, _ = train.load_checkpoint(os.path.join(run, "ckpt_0000001.pt"))
+    assert ckpt["model_config"]["dropout"] == 0.1 == net.config.dropout == net.drop.p
+    resume = ["--runs", str(tmp_path), "--name", "d", "--resume"]
+    assert train.parse_args(resume).dropout == 0.1
+    with pytest.raises(SystemExit, match=r"--dropout 0\.2 \(the run's: 0\.1\)"):
+        train.parse_args(resume + ["--dropout", "0.2"])
+    with pytest.raises(SystemExit):
+        train.parse_args(["--grow-from", os.path.join(run, "ckpt_0000001.pt"), "--dropout", "0"])
+    assert "--dropout cannot be combined with --grow-from" in capsys.readouterr().err
+
+
 class _HostOnMeta(torch.overrides.TorchFunctionMode):
     """Meta tensors stand in for a GPU's: an op mixing them with CPU tensors (not 0-dim, not as
     indices) fails as it would on CUDA, while what the code copies back to the host (.item(),

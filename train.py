@@ -318,9 +318,11 @@ def train(args):
     """Run one training job as the arguments say (see the module docstring)."""
     check_args(args)
     torch.set_num_threads(args.threads)
+    fused, model.FUSED_ATTENTION = model.FUSED_ATTENTION, args.fused_attention
     try:
         return train_run(args)
     finally:
+        model.FUSED_ATTENTION = fused               # for this run only
         while _LOCKS:                               # the run folder is free again
             _LOCKS.pop().close()
 
@@ -391,10 +393,9 @@ def one_update(run):
 def bf16(args, device):
     """Whether the training step runs under bf16 autocast (--precision): matmuls in bf16; the
     loss, LayerNorm, softmax, the weights and AdamW's moments stay fp32. "auto" means bf16 on CUDA
-    only: a CPU without bf16 units (no avx512_bf16 or amx_bf16 in /proc/cpuinfo) emulates bf16,
-    slower than fp32; with them, .bench/bench_precision.py measures the gain. Exact quantities
-    (evaluate's KL, hessian.py, probe.py's features, data.py) never autocast: bf16 keeps 8 bits
-    of mantissa, a relative error of 4e-3, on the scale of the KLs they resolve."""
+    only (a CPU without bf16 units emulates it, slower than fp32). Exact quantities (evaluate's
+    KL, hessian.py, probe.py's features, data.py) never autocast: bf16's relative error, 4e-3,
+    is on the scale of the KLs they resolve."""
     return args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
 
 
@@ -405,8 +406,9 @@ def bf16(args, device):
 # ModelConfig fields --n-layers etc. override (tag in the run name); those an arch ignores.
 SIZE_OVERRIDES = {"n_layers": "l", "n_heads": "nh", "lstm_hidden": "h"}
 SIZE_FIELDS_OF_OTHER_ARCH = {"transformer": {"lstm_hidden"}, "lstm": {"n_heads"}}
-RUNTIME_ARGS = {"threads", "device", "compile", "precision"}  # may change on resume: speed
-PRECISIONS = ("auto", "fp32", "bf16")                                  # and rounding, not the run
+# may change on resume: speed and rounding, not the run
+RUNTIME_ARGS = {"threads", "device", "compile", "fused_attention", "precision"}
+PRECISIONS = ("auto", "fp32", "bf16")
 
 
 class ShortHelp(argparse.HelpFormatter):
@@ -452,8 +454,8 @@ def parse_args(argv=None):
     a("--grow-from", metavar="CKPT", help="start from model.grow(CKPT's model) (App. B.1.3)")
     a("--grow-width", type=COUNT, default=2, help="with --grow-from: width factor (default 2)")
     a("--grow-layers", type=NATURAL, default=0, help="with --grow-from: transformer blocks added")
-    a("--grow-split", choices=model.SPLITS, default="even", help="with --grow-from: a weight "
-      "reading k copies, split evenly (they stay copies) or at random (Net2Net: they can part)")
+    a("--grow-split", choices=model.SPLITS, default="even", metavar="S", help="with --grow-from: "
+      "even (copies stay copies) or random (Net2Net)")
     a("--algo", default="adamw", choices=ALGOS, metavar="S", help=f"{', '.join(ALGOS)}")
     a("--steps", type=NATURAL, default=3000, help="updates (default 3000; --resume: extends)")
     a("--batch", type=COUNT, default=256, help="global batch in sentences, split over processes")
@@ -465,6 +467,8 @@ def parse_args(argv=None):
     a("--decay-steps", type=NATURAL, default=0, help="const: the last N updates decay to lr 0")
     a("--branch-from", metavar="CKPT", help="a new run: CKPT's, lr to 0 over --decay-steps")
     a("--weight-decay", type=NONNEGATIVE, default=0.01, help="AdamW weight decay (default 0.01)")
+    a("--dropout", type=data.float_flag(0, 0.999999), default=0.0,
+      help="the model's dropout (default 0; the paper's authors 0.1)")
     a("--mask-rate", type=data.float_flag(0, 1, open_lo=True),
       help="mask this fraction of tokens (App. E: 0.15), not one")
     a("--task", help="adversarial: downstream task (default: the language's first)")
@@ -484,10 +488,12 @@ def parse_args(argv=None):
     a("--runs", default="runs", help="parent folder of run directories (default runs/)")
     a("--resume", nargs="?", const="latest", help="continue runs/NAME (or CKPT's run)")
     a("--device", type=device_flag, default="cpu", help="cpu (default) or cuda")
-    a("--precision", default="auto", choices=PRECISIONS, metavar="S", help="the training step's"
-      " matmuls: fp32, bf16 (autocast) or auto (default): bf16 on cuda, fp32 on cpu")
+    a("--precision", default="auto", choices=PRECISIONS, metavar="S", help="matmuls: fp32, bf16 "
+      "(autocast) or auto (default: bf16 on cuda, fp32 on cpu)")
     a("--compile", action=argparse.BooleanOptionalAction, default=False,
       help="torch.compile the model (a resume keeps the run's setting unless given)")
+    a("--fused-attention", action=argparse.BooleanOptionalAction, default=False,
+      help="PyTorch's fused attention kernel (model.FUSED_ATTENTION), for GPUs")
     a("--threads", type=COUNT, default=1, help="torch threads per process (default 1)")
     args = p.parse_args(argv)
     dest = {opt: act.dest for act in p._actions for opt in act.option_strings}
@@ -503,10 +509,11 @@ def parse_args(argv=None):
     if args.grow_from is None and {"grow_width", "grow_layers", "grow_split"} & given:
         p.error("--grow-width, --grow-layers and --grow-split need --grow-from CKPT")
     if args.grow_from is not None:
-        clash = [f for f in ("lang", "lang_seed", "preset", *SIZE_OVERRIDES) if f in given]
+        clash = [f for f in ("lang", "lang_seed", "preset", *SIZE_OVERRIDES, "dropout")
+                 if f in given]
         if clash:
             p.error(f"{flag(clash[0])} cannot be combined with --grow-from: the grown model's "
-                    f"language and size come from the checkpoint (and --grow-width/-layers)")
+                    f"language and config come from the checkpoint (and --grow-width/-layers)")
         args.lang = args.lang_seed = args.preset = None
     args.warmup = WARMUP.get(args.algo, 0.0) if args.warmup is None else args.warmup
     args.schedule = args.schedule or SCHEDULE.get(args.algo, "const")
@@ -529,16 +536,13 @@ def flag(dest):
 
 
 def check_args(args):
-    """Reject impossible settings, all at once, before anything is built or written."""
-    bad = [f"{flag(k)} must be >= 1 (got {getattr(args, k)})" for k in ("batch", "eval_n",
-           "eval_every", "log_every", "ckpt_every", "threads", *SIZE_OVERRIDES)
-           if getattr(args, k) is not None and getattr(args, k) < 1]
+    """Reject impossible combinations of settings (each flag's range is its argparse type's),
+    all at once, before anything is built or written."""
+    bad = []
     if args.steps < (0 if args.grow_from else 1):   # --grow-from --steps 0: only the grown model
         bad.append(f"--steps must be >= {0 if args.grow_from else 1} (got {args.steps})")
     if args.grow_from is not None and args.algo == "lookup":
         bad.append("--grow-from grows a network; --algo lookup has none")
-    if args.mask_rate is not None and not 0 < args.mask_rate <= 1:
-        bad.append(f"--mask-rate must be in (0, 1] (got {args.mask_rate})")
     if not 0 <= args.warmup < 1:                # also a stored value from an older checkpoint
         bad.append(f"--warmup is a fraction of --steps in [0, 1) (got {args.warmup})")
     if args.decay_steps and args.schedule != "const":
@@ -579,7 +583,8 @@ def build_model(args, lang):
     overrides = {k: getattr(args, k) for k in SIZE_OVERRIDES if getattr(args, k, None) is not None}
     try:
         cfg = model.config_from_preset(args.preset, vocab_size=V + data.N_SPECIAL,
-                                       pad_id=data.pad_id(V), max_len=lang.max_len, **overrides)
+                                       pad_id=data.pad_id(V), max_len=lang.max_len,
+                                       dropout=args.dropout, **overrides)
     except (ValueError, TypeError) as e:
         raise SystemExit(f"train.py: {e}")
     unused = [k for k in overrides if k in SIZE_FIELDS_OF_OTHER_ARCH[cfg.arch]]
@@ -792,8 +797,7 @@ def write_lookup(args, lang, run_dir, ev):
 
 
 def write_grown(run, source):
-    """Step 0 of a --grow-from run: the grown model's eval row (its KL is the source's: grow()
-    is exact up to float32 rounding) and checkpoint (App. B.1.3)."""
+    """Step 0 of a --grow-from run (App. B.1.3): the grown model's eval row and checkpoint."""
     row = write_step_0(run.dir, run.net, run.ev, run.lang.vocab_size, run.device)
     save(run)
     print(f"grew {run.args.grow_from} (step {source['step']}): eval kl {row['kl']:.6f}", flush=True)
@@ -806,8 +810,7 @@ def append_row(run_dir, row):
 
 def already_measured(path, row):
     """Whether the JSON-lines file `path` (hessian.jsonl, probe.jsonl) holds a row with the
-    entries of `row` (a checkpoint's step and the settings that made it): re-running a command
-    skips what is done instead of appending a second, identical row."""
+    entries of `row` (a checkpoint's step and the settings that made it)."""
     try:
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
@@ -816,11 +819,30 @@ def already_measured(path, row):
     return any(isinstance(r, dict) and all(r.get(k) == v for k, v in row.items()) for r in rows)
 
 
+def measure_checkpoints(paths, rows, settings_of, measure, written, shown=lambda row: row):
+    """The loop of hessian.py and probe.py, inside measuring_rows: settings_of(path) (the step
+    and the settings that make its row; it reads the file) for every checkpoint before any
+    write; then each one whose run's `rows` file (hessian.jsonl, probe.jsonl) holds no such row
+    yet gets measure(path), its row (None: none) appended there, then printed as shown(row):
+    running a command again skips what is done instead of appending a second, identical row."""
+    todo = [(path, settings_of(path)) for path in paths]
+    for path, settings in todo:
+        out = os.path.join(os.path.dirname(path) or ".", rows)
+        if already_measured(out, settings):
+            print(f"{path}: in {out} with these settings already: skipped", file=sys.stderr)
+            continue
+        row = measure(path)
+        if row is not None:
+            data.append_line(out, json.dumps(row))          # saved, then shown
+            written.append(path)
+            print(json.dumps(shown(row)), flush=True)
+
+
 @contextlib.contextmanager
 def measuring_rows(script, rows, verb):
     """The one-line exits of a script that appends a row per checkpoint to runs' `rows` file
     (hessian.py: "hessian.jsonl", "measured"; probe.py): a bad input, a failed write, Ctrl-C or
-    SIGTERM. Yields the list the script appends each saved checkpoint to."""
+    SIGTERM. Yields the list measure_checkpoints appends each saved checkpoint to."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)        # SIGTERM as Ctrl-C
     written = []
     try:
@@ -931,9 +953,8 @@ def list_checkpoints(run_dir):
 
 
 def save_checkpoint(path, ckpt):
-    """torch.save, whole or not at all (data.write_whole), with the checksum of its contents.
-    Serialised in memory first: torch.save hides a failed write (a full disk) in a RuntimeError,
-    a plain write raises the OSError that names it."""
+    """torch.save, whole or not at all (data.write_whole), with the checksum of its contents;
+    serialised in memory first, as torch.save hides a failed write in a RuntimeError."""
     buffer = io.BytesIO()
     torch.save({**ckpt, "sha256": checkpoint_digest(ckpt)}, buffer)
     data.write_whole(path, lambda f: f.write(buffer.getbuffer()))
@@ -1050,10 +1071,9 @@ def load_checkpoint(path, device="cpu"):
 
 def merge_stored(args, given):
     """--resume and --branch-from: the checkpoint's stored arguments. --resume continues a run
-    in its folder, or extends a --schedule const run with --steps N. RUNTIME_ARGS keep their
-    stored values unless given. Only RUNTIME_ARGS, --steps
-    and (a branch) --decay-steps, --name and the logging periods may be given; another flag
-    that differs from its stored value is refused."""
+    in its folder, or extends a --schedule const run with --steps N. Only RUNTIME_ARGS (kept
+    unless given), --steps and (a branch) --decay-steps, --name and the logging periods may be
+    given; another flag that differs from its stored value is refused."""
     what = "--resume" if args.branch_from is None else "--branch-from"
     path = args.branch_from if args.branch_from is not None else args.resume
     if path == "latest":
@@ -1070,7 +1090,7 @@ def merge_stored(args, given):
     if ckpt["kind"] != "mlm" and args.branch_from is not None:
         raise SystemExit(f"train.py: --branch-from {path}: a {ckpt['kind']!r} checkpoint has "
                          f"no network to train on")
-    stored = {"decay_steps": 0, "branch_from": None, **ckpt["args"]}
+    stored = {"decay_steps": 0, "branch_from": None, "dropout": 0.0, **ckpt["args"]}
     stored.setdefault("warmup_steps", max(1, round(stored["warmup"] * stored["steps"])))
     may_change = set(RUNTIME_ARGS) | {"steps", "name"}
     if args.branch_from is not None:
