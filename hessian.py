@@ -9,27 +9,22 @@ Reading order:
 After the banner, the plumbing: per-sample gradient norms, the plain-ops LSTM that torch.func
 and double backward need, and the command line. Every measure runs in eval mode (dropout off).
 
-Run (from the repository root):
-
     python hessian.py runs/e1-s0/ckpt_*.pt                   # CPU: 300 sentences × 10 ỹ × 5
     python hessian.py runs/NAME/ckpt_*.pt --paper --device cuda   # App. B.2: 10,000 × 50 × 5
     python hessian.py runs/e1-s0/ckpt_0006000.pt --fisher-gap 30  # also Tr[∇²L] - Tr[G]
     python hessian.py --sgd-demo                              # Theorem 3.3 on the toy problem
 
-Each checkpoint prints and appends to runs/NAME/hessian.jsonl one JSON row: ckpt, step, trace,
-trace_std, top_eigenvalue, min_eigenvalue, sam_sharpness, loss and the settings (progress goes to
-stderr); a checkpoint already there with the same settings is skipped, so an interrupted command
-is continued by running it again. `--sgd-demo` prints step, loss - entropy and Tr[∇²L].
+Each checkpoint prints and appends to runs/NAME/hessian.jsonl one JSON row (trace, trace_std,
+eigenvalues, SAM sharpness, loss, settings); one there with the same settings is skipped, so an
+interrupted command is continued by running it again.
 """
 import argparse
 import contextlib
 import copy
-import json
 import math
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -49,6 +44,11 @@ SENTENCE_SEED = 0            # the same masked sentences for every checkpoint of
 DRAW_SEED = 0                # the ỹ draws and the HVP probe vectors
 SAM_RHO = 0.05               # radius of the SAM sharpness
 GRAD_FLOATS_PER_CHUNK = 2**25  # ~128 MiB of float32 per-sample gradients per vmap chunk
+# The switch between the per-sample gradient norms of torch.func (False: vmap of grad, any model)
+# and _layerwise_sq_norms (True: one batched backward, taken for models of nn.Embedding, nn.Linear
+# and nn.LSTM alone, model.py's LSTMs, which it measures several times faster: .bench/README.md);
+# the tests hold the two equal.
+LAYERWISE_SQ_NORMS = True
 
 
 # =============================================================== §4, App. B.2: the trace estimator
@@ -282,7 +282,7 @@ def sgd_demo(steps=20_000, lr=0.05, balance=2.0, n_rows=10, seed=0, log=None):
 
 # ==================================================================================== plumbing
 # What the estimator stands on: log-probabilities at the masked position, eval mode, and
-# per-sample gradient norms (vmap in general; one batched backward for the LSTM models).
+# per-sample gradient norms.
 
 def log_probs_at(net, inputs, positions, V=None):
     """log p_θ(· | x_-t) at each sentence's masked position over the V words, [N, V] float32:
@@ -294,8 +294,7 @@ def log_probs_at(net, inputs, positions, V=None):
 
 
 def n_words(net):
-    """V, the words the pre-training softmax runs over (train.mlm_log_probs skips the
-    N_SPECIAL tokens); a model without a `.config` (tests) uses all its outputs."""
+    """V, the words the pre-training softmax runs over (None, all outputs, without a .config)."""
     config = getattr(net, "config", None)
     return None if config is None else config.vocab_size - data.N_SPECIAL
 
@@ -424,13 +423,12 @@ def sq_grad_norms(net, inputs, positions, labels, chunk_size=None):
     """‖∇_θ log p_θ(y_k | x_-t_k)‖² for each pair k, float64 [K] (App. B.2), eval mode.
 
     inputs [K, T], positions [K], labels [K], `chunk_size` pairs at a time (default: ~128 MiB
-    of per-sample gradients, at most 512). Two routes, equal up to float rounding (tested):
-    torch.func's vmap of grad (any model), and for models built of nn.Embedding, nn.Linear and
-    nn.LSTM alone (model.py's LSTMs) one batched backward (_layerwise_sq_norms), the route
-    taken for them (timings in .bench/README.md)."""
+    of per-sample gradients, at most 512); by _layerwise_sq_norms where LAYERWISE_SQ_NORMS is
+    on and the model allows it, else by _vmap_sq_norms."""
     fnet = vmappable(net)
     params, _ = _params_and_buffers(net)
-    one_chunk = (_layerwise_sq_norms if _layerwise_ok(fnet) else _vmap_sq_norms)(fnet, net)
+    layerwise = LAYERWISE_SQ_NORMS and _layerwise_ok(fnet)
+    one_chunk = (_layerwise_sq_norms if layerwise else _vmap_sq_norms)(fnet, net)
     n_params = sum(p.numel() for p in params.values())
     chunk = chunk_size or max(1, min(512, GRAD_FLOATS_PER_CHUNK // n_params))
     with measuring(net, fnet):
@@ -549,6 +547,8 @@ def measure_checkpoint(path, args):
     if ckpt["kind"] == "lookup":
         print(f"{path}: a lookup table has no parameters, so no Hessian: skipped", file=sys.stderr)
         return None
+    print(f"{path}: {args.sentences} sentences × {args.samples} samples × {args.repeats} repeats "
+          f"on {args.device}", file=sys.stderr, flush=True)
     t0 = time.time()
     inputs, targets, positions = (x.to(args.device) for x in masked_sentences(lang, args.sentences))
     trace, trace_std = trace_hessian(net, inputs, positions, args.samples, args.repeats, DRAW_SEED)
@@ -632,27 +632,16 @@ def main(argv=None):
         print(f"Tr[∇²L] {rows[0][2]:.3f} -> {rows[-1][2]:.3f} while |loss - entropy| <= "
               f"{max(abs(r[1]) for r in rows):.3f} nats (O(lr) fluctuation around the manifold)")
         return
+    settings = {"n_sentences": args.sentences, "n_samples": args.samples,
+                "n_repeats": args.repeats, "hvp_sentences": args.hvp_sentences,
+                "eig_iters": args.eig_iters, "device": args.device,
+                **({"fisher_gap_probes": args.fisher_gap} if args.fisher_gap else {})}
+
+    def settings_of(path):                         # the whole file is loaded: a damaged one stops
+        return {"step": train.load_checkpoint(path)[1]["step"], **settings}
     with train.measuring_rows("hessian.py", "hessian.jsonl", "measured") as written:
-        steps = [train.load_checkpoint(path)[1]["step"]    # every file checked before any write
-                 for path in args.checkpoints]
-        for i, (path, step) in enumerate(zip(args.checkpoints, steps)):
-            out = Path(path).parent / "hessian.jsonl"
-            settings = {"step": step, "n_sentences": args.sentences, "n_samples": args.samples,
-                        "n_repeats": args.repeats, "hvp_sentences": args.hvp_sentences,
-                        "eig_iters": args.eig_iters, "device": args.device,
-                        **({"fisher_gap_probes": args.fisher_gap} if args.fisher_gap else {})}
-            if train.already_measured(out, settings):
-                print(f"[{i + 1}/{len(args.checkpoints)}] {path}: in {out} with these settings "
-                      f"already: skipped", file=sys.stderr)
-                continue
-            print(f"[{i + 1}/{len(args.checkpoints)}] {path}: {args.sentences} sentences × "
-                  f"{args.samples} samples × {args.repeats} repeats on {args.device}",
-                  file=sys.stderr, flush=True)
-            row = measure_checkpoint(path, args)
-            if row is not None:
-                data.append_line(out, json.dumps(row))      # saved, then shown
-                written.append(path)
-                print(json.dumps(row), flush=True)
+        train.measure_checkpoints(args.checkpoints, "hessian.jsonl", settings_of,
+                                  lambda path: measure_checkpoint(path, args), written)
 
 
 if __name__ == "__main__":

@@ -2998,14 +2998,24 @@ def test_hessian_functional_lstm_matches_nn_lstm():
 
 
 @pytest.mark.parametrize("arch", ["transformer", "lstm"])
-def test_hessian_per_sample_norms_match_autograd_loop(arch):
-    """sq_grad_norms (vmap for the transformer, one batched backward for the LSTM) equals one
-    autograd backward per pair; for the LSTM the vmap route equals it too."""
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_hessian_per_sample_norms_match_autograd_loop(arch, layerwise, monkeypatch):
+    """sq_grad_norms equals one autograd backward per pair under either LAYERWISE_SQ_NORMS (vmap
+    for the transformer; the LSTM: one batched backward, or vmap with the switch off); for the
+    LSTM the vmap route equals it too."""
+    monkeypatch.setattr(hessian, "LAYERWISE_SQ_NORMS", layerwise)
+    routes, real = [], hessian._layerwise_sq_norms
+
+    def layerwise_route(*args):
+        routes.append(args)
+        return real(*args)
+    monkeypatch.setattr(hessian, "_layerwise_sq_norms", layerwise_route)
     net = _hessian_net(arch)
     inputs, targets, positions = _hessian_masked(n=6, padded=True)
     ours = hessian.sq_grad_norms(net, inputs, positions, targets, chunk_size=4)
     ref = _hessian_loop_sq_norms(net, inputs, positions, targets)
     assert torch.allclose(ours, ref, rtol=1e-4)
+    assert bool(routes) == (layerwise and arch == "lstm")       # the switch picks the route
     if arch == "lstm":
         fnet = hessian.vmappable(net)
         assert hessian._layerwise_ok(fnet)
