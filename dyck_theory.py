@@ -530,19 +530,17 @@ def main(argv=None):
     """Command line: every claim of Thm 5.1 as PASS/FAIL lines, or one JSON object (--json)."""
     parser = argparse.ArgumentParser(
         description="Numerical check of Thm 5.1 (flattest zero-loss solution transfers).")
-    parser.add_argument("--T", type=int, default=6, help="sentence length (even, >= 6); support "
-                        "enumerated up to 14, sampled above")
-    parser.add_argument("--m", type=int, default=None,
-                        help="number of neurons (>= 2); default: smallest multiple of 32 >= 2T + "
-                             "T*C(T,T/2) (160 at T=6), the width at which random features can "
-                             "interpolate the support")
-    parser.add_argument("--n", type=int, default=10, help="downstream training samples (>= 1)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of every random draw")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object (keys T, m, n, mlm_loss, trace, "
-                             "downstream_loss, downstream_failure_probability) instead of claims")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1)")
+    a = parser.add_argument
+    a("--T", type=int, default=6, help="sentence length (even, >= 6); support enumerated up to "
+      "14, sampled above")
+    a("--m", type=int, default=None, help="number of neurons (>= 2); default: smallest multiple "
+      "of 32 >= 2T + T*C(T,T/2) (160 at T=6), the width at which random features can "
+      "interpolate the support")
+    a("--n", type=int, default=10, help="downstream training samples (>= 1)")
+    a("--seed", type=int, default=0, help="seed of every random draw")
+    a("--json", action="store_true", help="print one JSON object (keys T, m, n, mlm_loss, "
+      "trace, downstream_loss, downstream_failure_probability) instead of claims")
+    a("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     args = parser.parse_args(argv)
     try:                 # every flag by name, before rf_min_width(T) below needs a valid T
         check_args(args.T, args.m, args.n, args.seed, args.threads)

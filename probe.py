@@ -16,9 +16,8 @@ After the banner, the plumbing: one checkpoint's row, the summary table, the com
     python probe.py runs/e1-s0/ckpt_0006000.pt --method finetune
     python probe.py --summary runs/e1-s{0,1,2} --compare e1@3000 e1@last --plot e1.png
 
-Each probed checkpoint appends to runs/NAME/probe.jsonl one JSON row: ckpt, step, task, method,
-acc and acc_std (mean, std ddof=1 over probe seeds), accs, n_correct (per test sentence, how
-many probe seeds got it right) and the settings; it prints the row without n_correct.
+Each probed checkpoint appends to runs/NAME/probe.jsonl one JSON row (acc, acc_std over probe
+seeds, n_correct: per test sentence, how many seeds got it right; the settings).
 `--summary` joins the rows of train.py, hessian.py and probe.py in run folders (print_summary
 says what it prints). Two methods need no model and bound what any model can show: `--method
 onehot` probes one-hot words (the floor), `--method chart` a PCFG's exact chart (the ceiling).
@@ -647,11 +646,7 @@ def plot_summary(table, path, pairs=()):
                         label=g, s=14)
     axes[3].set(xlabel="Tr[H] (Fisher)", ylabel=acc)
     axes[3].legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    data.write_whole(path, lambda f: fig.savefig(f, format="png", dpi=110))
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_figure(fig, path, plt, dpi=110)
 
 
 def plot_pairs(table, pairs, acc, path, plt):
@@ -678,9 +673,14 @@ def plot_pairs(table, pairs, acc, path, plt):
            title="lines: B per seed; triangles: A; joined: pairs at the nearest KL "
                  "(solid: matched)")
     ax.title.set_fontsize(8)
+    save_figure(fig, path, plt, dpi=100)
+
+
+def save_figure(fig, path, plt, dpi):
+    """The figure as a PNG at `path`, written whole or not at all."""
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    data.write_whole(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    data.write_whole(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
     plt.close(fig)
     print(f"wrote {path}")
 
@@ -751,30 +751,22 @@ def main(argv=None):
             if args.plot:
                 plot_summary(table, args.plot, pairs)
             return
-        todo = []
-        for path in args.paths:            # every file checked before anything is written
+        def settings_of(path):
             ckpt = train.read_checkpoint(path)
             task, _ = checked_task(path, ckpt, data.language_from_spec(ckpt["language"]),
                                    args.task, args.method)
-            out = os.path.join(os.path.dirname(path) or ".", "probe.jsonl")
-            settings = {"step": int(ckpt["step"]), "task": str(task), "method": args.method,
-                        "n_train": args.n_train, "n_test": args.n_test,
-                        "seeds": list(range(args.seeds)), "epochs": args.epochs or (
-                            FT_EPOCHS if args.method == "finetune" else LINEAR_EPOCHS),
-                        "projection": None if args.no_projection or args.method == "finetune"
-                        else PROJ_DIM}
-            if train.already_measured(out, settings):
-                print(f"{path}: in {out} with these settings already: skipped", file=sys.stderr)
-            else:
-                todo.append((path, out))
+            return {"step": int(ckpt["step"]), "task": str(task), "method": args.method,
+                    "n_train": args.n_train, "n_test": args.n_test,
+                    "seeds": list(range(args.seeds)), "epochs": args.epochs or (
+                        FT_EPOCHS if args.method == "finetune" else LINEAR_EPOCHS),
+                    "projection": None if args.no_projection or args.method == "finetune"
+                    else PROJ_DIM}
         cache = {}
-        for path, out in todo:
-            row = probe_checkpoint(path, args.task, args.method, args.n_train, args.n_test,
-                                   args.seeds, None if args.no_projection else PROJ_DIM,
-                                   args.epochs, args.device, cache)
-            data.append_line(out, json.dumps(row))          # saved, then shown
-            written.append(path)
-            print(json.dumps({k: v for k, v in row.items() if k != "n_correct"}), flush=True)
+        train.measure_checkpoints(
+            args.paths, "probe.jsonl", settings_of, lambda path: probe_checkpoint(
+                path, args.task, args.method, args.n_train, args.n_test, args.seeds,
+                None if args.no_projection else PROJ_DIM, args.epochs, args.device, cache),
+            written, shown=lambda row: {k: v for k, v in row.items() if k != "n_correct"})
 
 
 if __name__ == "__main__":
