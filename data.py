@@ -442,7 +442,7 @@ class PCFG:
         return torch.cat(toks)[:n], torch.cat(lens)[:n]
 
     def sentences(self, n, seed=0):
-        """(tokens [n, max_len], lengths [n]) of fresh sentences."""
+        """(tokens [n, max_len], lengths [n]) of n sentences (sample)."""
         return self.sample(n, seed=seed)
 
     def log_prob(self, tokens, lengths):
@@ -565,7 +565,7 @@ class PCFG:
 
 def mlm_entropy(lang, n=1000, seed=0, batch=500):
     """Optimal MLM loss (§2.1, App. A.4): E_x[(1/n_x) Σ_t H(Pr(. | x_-t))], one uniform mask
-    among the n_x words averaged exactly, over n fresh sentences: (mean, standard error)."""
+    among the n_x words averaged exactly, over lang.sentences(n, seed): (mean, standard error)."""
     tokens, lengths = lang.sentences(n, seed=seed)
     per_sentence = torch.empty(n, dtype=torch.float64)
     for i in range(0, n, batch):
@@ -913,7 +913,7 @@ def _read_rules(path):
                          f"{getattr(e, 'strerror', None) or e}") from None
 
 
-# ------------------------------------------- the fast inside-outside the experiments run ---
+# ---------------------- the fast inside-outside (FAST_INSIDE_OUTSIDE: paper-size grammars) ---
 
 def _length_batches(lengths, size=128, spread=3):
     """Index batches of sentences sorted by length, at most `size` long and `spread` words
@@ -1077,7 +1077,7 @@ class _InsideOutside:
         return z
 
 
-# ======================================== the CLI: flags and writes (shared with later scripts) ===
+# ========================= the CLI: flag types and whole writes, shared with later scripts ===
 
 SEED_MAX = 2**32 - 1  # numpy's largest seed
 
