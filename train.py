@@ -820,11 +820,9 @@ def already_measured(path, row):
 
 
 def measure_checkpoints(paths, rows, settings_of, measure, written, shown=lambda row: row):
-    """The loop of hessian.py and probe.py, inside measuring_rows: settings_of(path) (the step
-    and the settings that make its row; it reads the file) for every checkpoint before any
-    write; then each one whose run's `rows` file (hessian.jsonl, probe.jsonl) holds no such row
-    yet gets measure(path), its row (None: none) appended there, then printed as shown(row):
-    running a command again skips what is done instead of appending a second, identical row."""
+    """The loop of hessian.py and probe.py, inside measuring_rows: settings_of(path) (its step
+    and settings; it reads the file) of every checkpoint before any write, then measure(path)'s
+    row (None: none) appended to its run's `rows` file and shown, unless already_measured."""
     todo = [(path, settings_of(path)) for path in paths]
     for path, settings in todo:
         out = os.path.join(os.path.dirname(path) or ".", rows)
