@@ -48,7 +48,7 @@ class ModelConfig:
     ln: str = "pre"  # transformer only: "post" (paper's text) | "pre" (authors' released code)
     dropout: float = 0.0  # on embeddings, attention, residual branches / between LSTM layers
     lstm_hidden: int = 128  # LSTM only: hidden size H per direction; features have d = 2H
-    head_dim: int = HEAD_DIM  # transformer only: the paper's (BERT's) 64; 32 in the CPU-scale tf-1m
+    head_dim: int = HEAD_DIM  # transformer only: the paper's (BERT's) 64; 32 in tf-small, tf-deep
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -79,14 +79,15 @@ class ModelConfig:
 REFERENCE = {"transformer": dict(vocab_size=30522, pad_id=0, max_len=128),
              "lstm": dict(vocab_size=202, pad_id=201, max_len=32)}
 PRESETS = {
-    "tf-1m": dict(arch="transformer", n_heads=1, n_layers=2, head_dim=32),  # CPU: "pcfg-small"
+    "tf-small": dict(arch="transformer", n_heads=1, n_layers=2, head_dim=32),  # CPU: "pcfg-small"
+    "tf-deep": dict(arch="transformer", n_heads=2, n_layers=4, head_dim=32),  # CPU: "pcfg-deep"
     "tf-2m": dict(arch="transformer", n_heads=1, n_layers=2),
     "tf-4m": dict(arch="transformer", n_heads=2, n_layers=1),
     "tf-9m": dict(arch="transformer", n_heads=4, n_layers=1),
     "tf-41m": dict(arch="transformer", n_heads=8, n_layers=8),
     "tf-235m": dict(arch="transformer", n_heads=16, n_layers=16),
     "tf-730m": dict(arch="transformer", n_heads=24, n_layers=24),
-    "lstm-62k": dict(arch="lstm", lstm_hidden=32, n_layers=2),  # CPU: "hmm-small"
+    "lstm-small": dict(arch="lstm", lstm_hidden=32, n_layers=2),  # CPU: "hmm-small"
     "lstm-4m": dict(arch="lstm", lstm_hidden=128, n_layers=10),  # §3: "the smallest 4M model"
     "lstm-10m": dict(arch="lstm", lstm_hidden=192, n_layers=12),
     "lstm-36m": dict(arch="lstm", lstm_hidden=512, n_layers=6),

@@ -1419,11 +1419,14 @@ def test_model_head_dim_narrow_transformer(ln):
         _model_config(head_dim=0)
 
 
-def test_model_cpu_preset_on_small_pcfg():
-    """tf-1m (d = 32) is the 26,650-parameter model that saturates pcfg-small on one CPU."""
-    lang = train.make_language("pcfg-small", 0)
-    net = train.build_model(train.parse_args(["--lang", "pcfg-small", "--preset", "tf-1m"]), lang)
-    assert net.config.d == 32 and model.n_params(net) == 26650
+@pytest.mark.parametrize("lang, preset, d, count", [("pcfg-small", "tf-small", 32, 26650),
+                                                    ("pcfg-deep", "tf-deep", 64, 201354),
+                                                    ("hmm-small", "lstm-small", 64, 47028)])
+def test_model_cpu_presets_on_their_languages(lang, preset, d, count):
+    """The CPU presets, named for the languages they saturate, and their sizes there."""
+    args = train.parse_args(["--lang", lang, "--preset", preset])
+    net = train.build_model(args, train.make_language(lang, 0))
+    assert net.config.d == d and model.n_params(net) == count
 
 
 def _model_size_from_name(name):
@@ -1431,10 +1434,10 @@ def _model_size_from_name(name):
     return float(number[:-1]) * {"k": 1e3, "m": 1e6}[number[-1]]
 
 
-@pytest.mark.parametrize("name", list(model.PRESETS))
+@pytest.mark.parametrize("name", [n for n in model.PRESETS if re.search(r"-\d+[km]$", n)])
 def test_model_preset_counts_match_names(name):
-    """Each preset's parameter count at its family's reference vocabulary is within 5% of its
-    name."""
+    """Each paper-size preset's parameter count at its family's reference vocabulary is within
+    5% of its name."""
     count = model.preset_n_params(name)
     assert abs(count - _model_size_from_name(name)) <= 0.05 * _model_size_from_name(name), count
     cfg = model.config_from_preset(name, **model.REFERENCE[model.PRESETS[name]["arch"]])
@@ -1447,11 +1450,11 @@ def test_model_preset_counts_match_names(name):
 
 
 def test_model_presets_span_the_paper():
-    sizes = {n: _model_size_from_name(n) for n in model.PRESETS}
+    sizes = {n: _model_size_from_name(n) for n in model.PRESETS if re.search(r"-\d+[km]$", n)}
     tf = [s for n, s in sizes.items() if n.startswith("tf-")]
     lstm = [s for n, s in sizes.items() if n.startswith("lstm-")]
     assert min(tf) <= 2e6 and max(tf) >= 730e6 and min(lstm) <= 10e6 and max(lstm) >= 135e6
-    assert min(lstm) < 1e5  # a CPU size
+    assert {"tf-small", "tf-deep", "lstm-small"} <= set(model.PRESETS)  # the CPU sizes
 
 
 # ===============================================================================================
@@ -1470,7 +1473,7 @@ def _train_tiny_lang(tmp_path):
 
 def _train_args(tmp_path, *extra, name="run"):
     """train.py's command line for a tiny run in tmp_path; name=None: the default run name."""
-    return ["--lang", _train_tiny_lang(tmp_path), "--preset", "lstm-62k", "--batch", "32",
+    return ["--lang", _train_tiny_lang(tmp_path), "--preset", "lstm-small", "--batch", "32",
             "--eval-n", "100", "--runs", str(tmp_path), *([] if name is None else ["--name", name]),
             *map(str, extra)]
 
@@ -1734,7 +1737,7 @@ def test_train_checkpoint_is_self_contained(tmp_path):
     (("--eval-n", 1), "argument --eval-n: must be >= 2 (got 1)"),
     (("--device", "foo"), "argument --device: 'foo' is not a device"),
     (("--batch", 10 ** 8), "a batch of --batch 100000000 sentences of up to 6 words needs"),
-    (("--preset", "lstm-62k", "--lstm-hidden", 10 ** 6),
+    (("--preset", "lstm-small", "--lstm-hidden", 10 ** 6),
      "the model (40,000,068,000,012 parameters"),
     (("--decay-steps", 5), "--decay-steps needs --schedule const"),
     (("--schedule", "const", "--steps", 10, "--decay-steps", 10), "not overlap the warm-up"),
@@ -1742,7 +1745,7 @@ def test_train_checkpoint_is_self_contained(tmp_path):
     (("--resume",), "no checkpoint in"),
     (("--device", "cuda"), "torch.cuda.is_available"),
     (("--n-layers", 0), "argument --n-layers: must be >= 1 (got 0)"),
-    (("--n-heads", 2), "--n-heads does not apply to preset 'lstm-62k', a lstm"),
+    (("--n-heads", 2), "--n-heads does not apply to preset 'lstm-small', a lstm"),
     (("--preset", "tf-2m", "--lstm-hidden", 8), "--lstm-hidden does not apply"),
 ])
 def test_train_bad_flags_are_refused(tmp_path, capsys, extra, message):
@@ -2480,7 +2483,7 @@ def test_train_objective_of_one_masked_word_is_mlm_loss_of_every_position(tmp_pa
     """The training step reads the logits at the masked position only (model.py's `at`): the
     same L_MLM as mlm_loss of the logits everywhere, for the LSTM and the transformer."""
     lang = train.make_language(_train_tiny_lang(tmp_path), 0)
-    for preset in ("lstm-62k", "tf-1m"):
+    for preset in ("lstm-small", "tf-small"):
         args = train.parse_args(_train_args(tmp_path, "--preset", preset))
         train.check_args(args)
         net = train.build_model(args, lang)
@@ -2533,7 +2536,7 @@ def test_train_fused_attention_flag_reaches_the_model(tmp_path, monkeypatch):
         return fast(*args, **kwargs)
     monkeypatch.setattr(model, "fast_attention", counted)
     for name, flags in (("plain", []), ("fused", ["--fused-attention"])):
-        train.train(train.parse_args(_train_args(tmp_path, "--preset", "tf-1m", "--steps", 1,
+        train.train(train.parse_args(_train_args(tmp_path, "--preset", "tf-small", "--steps", 1,
                                                  *flags, name=name)))
         assert bool(calls) == (name == "fused") and model.FUSED_ATTENTION is False
     resume = ["--runs", str(tmp_path), "--name", "fused", "--resume"]
@@ -2587,7 +2590,7 @@ class _HostOnMeta(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@pytest.mark.parametrize("preset", ["lstm-62k", "tf-1m"])
+@pytest.mark.parametrize("preset", ["lstm-small", "tf-small"])
 def test_train_code_runs_with_the_model_off_the_default_device(tmp_path, preset, monkeypatch):
     """One update, evaluate, the trace estimator and the probe's features with the model on
     torch's meta device while the default device is the CPU: a tensor the code makes on the
@@ -2661,9 +2664,9 @@ def test_train_model_size_overrides(tmp_path):
     argv = _train_args(tmp_path, "--lstm-hidden", 8, "--n-layers", 1, "--steps", 2,
                        "--eval-every", 2, name=None)
     run = train.train(train.parse_args(argv))
-    assert os.path.basename(run) == "tiny_hmm-lstm-62k-l1-h8-adamw-s0"
+    assert os.path.basename(run) == "tiny_hmm-lstm-small-l1-h8-adamw-s0"
     ckpt = torch.load(os.path.join(run, "ckpt_0000002.pt"), weights_only=True)
-    expect = model.config_from_preset("lstm-62k", vocab_size=12, pad_id=11, max_len=6,
+    expect = model.config_from_preset("lstm-small", vocab_size=12, pad_id=11, max_len=6,
                                       lstm_hidden=8, n_layers=1)
     assert ckpt["model_config"] == dataclasses.asdict(expect)
     assert ckpt["args"]["lstm_hidden"] == 8 and ckpt["args"]["n_heads"] is None
@@ -4001,7 +4004,8 @@ def test_probe_cli_prints_the_row_without_per_sentence_counts(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--summary", "RUN", "--csv", "TMP"], "is a folder; it must be a file"),
-    (["CKPT", "--compare", "a@1", "b@1"], "--compare, --to-measure, --plot and --csv go with --summary"),
+    (["CKPT", "--compare", "a@1", "b@1"],
+     "--compare, --to-measure, --plot and --csv go with --summary"),
     (["CKPT", *_PROBE_CLI_SMALL, "--threads", "0"], "argument --threads: must be >= 1 (got 0)"),
 ])
 def test_probe_cli_usage_errors(tmp_path, capsys, argv, message):
@@ -4584,9 +4588,9 @@ def _repro_grow(tmp_path, name, src, *extra):
 def test_repro_e2_model_size_chain(tmp_path, capsys):
     """E2: two LSTM widths (--lstm-hidden), and the small model grown to the larger width
     (--grow-from): same eval loss as the small one, Hessian and probe measurable."""
-    small, c_small = _repro_train(tmp_path, "e2-h16", "--preset", "lstm-62k", "--lstm-hidden", "16",
-                                  "--steps", "4", "--ckpt-every", "4")
-    large, c_large = _repro_train(tmp_path, "e2-h32", "--preset", "lstm-62k", "--steps", "4",
+    small, c_small = _repro_train(tmp_path, "e2-h16", "--preset", "lstm-small",
+                                  "--lstm-hidden", "16", "--steps", "4", "--ckpt-every", "4")
+    large, c_large = _repro_train(tmp_path, "e2-h32", "--preset", "lstm-small", "--steps", "4",
                                   "--ckpt-every", "4")
     grown, c_grown = _repro_grow(tmp_path, "e2-h16-grown2", c_small[-1], "--grow-width", "2",
                                  "--steps", "0")

@@ -7,7 +7,7 @@ A.3: warm-up, then linear decay or, with --schedule const, constant), sgd (App. 
 conditionals as the model, App. A.4). Every --eval-every steps the exact KL(truth || model) on a
 fixed held-out set, with its standard error, goes to metrics.jsonl.
 
-  python train.py                                   # lstm-62k on hmm-small, 3000 steps
+  python train.py                                   # lstm-small on hmm-small, 3000 steps
   python train.py --schedule const --steps 6000 --name e1        # constant lr past convergence
   python train.py --name e1 --resume --steps 10000               # ... extended to 10000 steps
   python train.py --branch-from runs/e1/ckpt_0006000.pt --decay-steps 1000   # lr decayed to 0
@@ -447,7 +447,7 @@ def parse_args(argv=None):
     a = p.add_argument
     a("--lang", default="hmm-small", help=f"{', '.join(data.LANGUAGES)} or spec.json")
     a("--lang-seed", type=SEED, default=0, help="seed of the random language (default 0)")
-    a("--preset", default="lstm-62k", help="model size (python model.py lists them)")
+    a("--preset", default="lstm-small", help="model size (python model.py lists them)")
     a("--n-layers", type=COUNT, help="override the preset's transformer blocks / LSTM layers")
     a("--n-heads", type=COUNT, help="override the preset's attention heads (d = head_dim * heads)")
     a("--lstm-hidden", type=COUNT, help="override the preset's LSTM size per direction (d = 2x)")

@@ -8,7 +8,7 @@
    same (sentence, ỹ) pairs; median of --reps.  For the LSTM also the torch.func vmap route over
    FunctionalLSTM, which sq_grad_norms does not take there (the layerwise route is faster).
 2. trace_hessian end to end: (sentences × samples × repeats) per second, for a transformer
-   (tf-2m) and an LSTM (lstm-62k) on the hmm-small language (V=50, T=16).
+   (tf-2m) and an LSTM (lstm-small) on the hmm-small language (V=50, T=16).
 3. At equal wall time, the relative standard error of the Fisher estimator (trace_hessian) vs
    Hutchinson (Rademacher HVPs on the true-label loss) at a converged model: the tf-2m network
    is made exactly converged by taking ITS OWN conditional as the true one (labels drawn from
@@ -32,7 +32,7 @@ import hessian  # noqa: E402
 import model  # noqa: E402
 import train  # noqa: E402
 
-PRESETS = ("tf-2m", "lstm-62k")
+PRESETS = ("tf-2m", "lstm-small")
 
 
 def build(preset, lang, seed=0):

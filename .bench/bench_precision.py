@@ -2,8 +2,8 @@
 
 Steps/s of one training step (train.py's own objective, AdamW and autocast, one thread) in five
 settings: fp32 with logits at every position (the ratios' baseline: the step before model.py's
-`at`), fp32, bf16 (--precision bf16), fp32 --compile, bf16 --compile; for lstm-62k on
-hmm-small (batch 256) and the two-head pcfg-deep transformer (tf-1m, 4 layers, 2 heads, batch
+`at`), fp32, bf16 (--precision bf16), fp32 --compile, bf16 --compile; for lstm-small on
+hmm-small (batch 256) and the two-head pcfg-deep transformer (tf-small, 4 layers, 2 heads, batch
 512). The settings are interleaved round by round so that the machine's load hits them alike;
 medians, and ratios to the baseline. The achieved matmul FLOP/s is set against this machine's
 fp32 and bf16 matmul peaks at the models' widths (bench_train.matmul_peak).
@@ -25,8 +25,8 @@ import train  # noqa: E402
 from bench_train import matmul_peak  # noqa: E402
 
 MODELS = {
-    "lstm-62k": ["--batch", "256"],
-    "tf 4L 2heads": ["--lang", "pcfg-deep", "--preset", "tf-1m", "--n-layers", "4",
+    "lstm-small": ["--batch", "256"],
+    "tf 4L 2heads": ["--lang", "pcfg-deep", "--preset", "tf-small", "--n-layers", "4",
                      "--n-heads", "2", "--lr", "5e-3", "--batch", "512", "--schedule", "const"],
 }
 

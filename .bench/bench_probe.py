@@ -5,7 +5,7 @@ downstream data, frozen feature extraction (once), and the 100-epoch head traini
 seeds) — and, side by side, the baseline that the precomputation avoids: running the frozen
 encoder inside every epoch (timed for 2 epochs and scaled to 100). The probe's cost does not
 depend on the weights, so by default the checkpoint is an untrained one of train.py's default
-setting (lstm-62k on hmm-small) and of a small transformer (tf-2m, 1 layer), written to a
+setting (lstm-small on hmm-small) and of a small transformer (tf-2m, 1 layer), written to a
 temporary folder.
 
     python .bench/bench_probe.py                       # 2 threads, both models
@@ -104,7 +104,7 @@ def bench(path, task, n_train, n_test, seeds):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", default=None, help="checkpoint to probe (default: untrained "
-                   "lstm-62k and tf-2m on hmm-small)")
+                   "lstm-small and tf-2m on hmm-small)")
     p.add_argument("--task", default="6", help="downstream task (default 6: HMM task-6)")
     p.add_argument("--n", type=int, default=10000, help="downstream training examples")
     p.add_argument("--n-test", type=int, default=2000, help="test examples (default 2000)")
@@ -115,7 +115,7 @@ def main():
     print(f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} cores "
           f"(shared with other jobs: timings are noisy)")
     with tempfile.TemporaryDirectory() as folder:
-        paths = [args.ckpt] if args.ckpt else [make_checkpoint(folder, "lstm-62k"),
+        paths = [args.ckpt] if args.ckpt else [make_checkpoint(folder, "lstm-small"),
                                                make_checkpoint(folder, "tf-2m", n_layers=1)]
         for path in paths:
             bench(path, args.task, args.n, args.n_test, args.seeds)

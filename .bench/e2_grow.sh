@@ -6,7 +6,7 @@
 # decaying to 0, checkpointed every 25. At the same KL, is the wider model flatter and better?
 # Planned pair: the higher of the two floors against the other run's checkpoint of nearest KL.
 #   bash .bench/e2_grow.sh deep SEED    # the two-head transformer on pcfg-deep (after e1_deep.sh)
-#   bash .bench/e2_grow.sh lstm SEED    # lstm-62k on hmm-small, from its step 6000
+#   bash .bench/e2_grow.sh lstm SEED    # lstm-small on hmm-small, from its step 6000
 set -eu
 setting=$1 s=$2 R=${RUNS:-runs}
 FAST="--precision bf16 --compile --runs $R"

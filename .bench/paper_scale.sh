@@ -16,7 +16,7 @@ mkdir -p "$OUT" "$RUNS"
 export PYTHONUNBUFFERED=1
 train() {  # SIZE SEED: LAYERSxHEADS
   local L=${1%x*} H=${1#*x}
-  timeout "$TRAIN_LIMIT" python train.py --lang pcfg-deep --preset tf-1m --n-layers "$L" \
+  timeout "$TRAIN_LIMIT" python train.py --lang pcfg-deep --preset tf-small --n-layers "$L" \
     --n-heads "$H" --lr 5e-3 --batch 512 --schedule linear --steps "$STEPS" \
     --ckpt-every "$EVERY" --eval-every "$EVERY" --seed "$2" --device "$DEVICE" \
     --runs "$RUNS" --name "ps-L${L}H${H}-s$2" > "$OUT/train-L${L}H${H}-s$2.log" 2>&1
