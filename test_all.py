@@ -132,14 +132,15 @@ def test_data_mask_position_is_uniform_chi_square():
 @exercise("mask")
 def test_data_mask_draws_from_its_generator_only():
     """The docstring's draw: one float64 uniform per sentence from `generator`, position =
-    floor(u * length); the same seed gives the same masks, the global RNG is not touched, and
-    the tokens passed in are left as they were."""
+    floor(u * length); the same seed gives the same masks, all three results are long, the
+    global RNG is not touched, and the tokens passed in are left as they were."""
     lengths = torch.tensor([1, 2, 3, 7, 7, 5] * 50)
     tokens = torch.randint(0, 4, (300, 7), generator=torch.Generator().manual_seed(2))
     before, global_state = tokens.clone(), torch.get_rng_state()
     a = data.mask_one(tokens, lengths, 4, torch.Generator().manual_seed(11))
     b = data.mask_one(tokens, lengths, 4, torch.Generator().manual_seed(11))
     assert all(torch.equal(x, y) for x, y in zip(a, b)), "the same seed gave other masks"
+    assert [x.dtype for x in a] == [torch.long] * 3, f"returns {[x.dtype for x in a]}, not long"
     u = torch.rand(300, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
     want = (u * lengths).floor().long()
     assert torch.equal(a[2], want), (f"positions differ from floor(u * length) at sentences "
@@ -202,27 +203,45 @@ def _data_hmm_dense():
     return data.HMM.random(3, 4, seed=1, n_blocks=1, length=4, emit_concentration=1.0)
 
 
+def _data_hmm_rest_by_enumeration(h, x, t, free=()):
+    """Pr(h_t = s | x_-t) [S]: Pr(x_-t, path) summed over every hidden path with h_t = s, the
+    words at t and at `free` unobserved (emission factor 1); NaN (0/0) where Pr(x_-t) = 0."""
+    init, trans, emit = h.init.numpy(), h.trans.numpy(), h.emit.numpy()
+    paths = np.array(list(itertools.product(range(h.n_states), repeat=len(x))))   # (P, T)
+    p = init[paths[:, 0]]
+    for s in range(len(x)):
+        p = p * (trans[paths[:, s - 1], paths[:, s]] if s else 1.0)
+        p = p * (1.0 if s == t or s in free else emit[paths[:, s], x[s]])
+    joint = np.bincount(paths[:, t], weights=p, minlength=h.n_states)
+    with np.errstate(invalid="ignore"):
+        return torch.from_numpy(joint / joint.sum())
+
+
 @exercise("hmm_conditional")
 def test_data_hmm_forward_backward_by_enumeration():
     """hmm_forward_backward gives Pr(h_t = h | x_-t), the enumerated sum over hidden paths with
-    x_t's own emission (and every unobserved word's) left out."""
+    x_t's own emission (and every unobserved word's) left out; NaN rows where Pr(x_-t) = 0."""
     for h in (_data_hmm_dense(), _data_hmm_tiny_blocks()):
         tokens, _, _ = h.sample(5, seed=3)
-        observed = torch.ones(5, 4, dtype=torch.bool)
+        observed = torch.ones(7, 4, dtype=torch.bool)
         observed[1, 2] = observed[2, 0] = observed[2, 3] = False   # unobserved words
         observed[3, 1:] = False                                   # a one-word sentence
+        # two sentences of probability 0 for the blocks (words 1, 2, 4 in one block, 0, 3, 5 in
+        # the other): x_-t impossible at every t but the first of [1, 0, 0, 3], at every t of
+        # [1, 0, 2, 3]
+        tokens = torch.cat([tokens, torch.tensor([[1, 0, 0, 3], [1, 0, 2, 3]])])
         rest = data.hmm_forward_backward(h.init, h.trans, h.emit, tokens, observed)
-        assert rest.shape == (5, 4, h.n_states), 'expected rest.shape == (5, 4, h.n_states)'
+        assert rest.shape == (7, 4, h.n_states), 'expected rest.shape == (7, 4, h.n_states)'
         assert rest.dtype == torch.float64, 'expected rest.dtype == torch.float64'
-        for i in range(5):
-            x = tokens[i].tolist()
+        for i in range(7):
             free = {t for t in range(4) if not observed[i, t]}
             for t in range(4):
-                joint = torch.zeros(h.n_states, dtype=torch.float64)
-                for hs in itertools.product(range(h.n_states), repeat=4):
-                    joint[hs[t]] += _data_hmm_joint(h, x, hs, free | {t})
-                assert torch.allclose(rest[i, t], joint / joint.sum(), atol=1e-12, rtol=0), \
-                    _differs(rest[i, t], joint / joint.sum())
+                exact = _data_hmm_rest_by_enumeration(h, tokens[i].tolist(), t, free)
+                torch.testing.assert_close(rest[i, t], exact, atol=1e-12, rtol=0,
+                                           equal_nan=True, msg=f"sentence {i}, position {t}")
+        if h.n_states == 5:
+            assert rest[5, 1:].isnan().all() and rest[6].isnan().all(), \
+                "rows whose other words are impossible must be NaN (0/0), not zero"
 
 
 @exercise("hmm_conditional")
@@ -338,6 +357,8 @@ def test_data_hmm_state_posterior_equals_brute_force():
     observed = torch.ones(4, 4, dtype=torch.bool)
     observed[2, 1] = observed[3, 3] = False
     post = data.hmm_state_posterior(h.init, h.trans, h.emit, tokens, observed)
+    assert post.shape == (4, 4, 5) and post.dtype == torch.float64, \
+        f"returns {post.dtype} {tuple(post.shape)}, not float64 (4, 4, 5)"
     for i in range(4):
         x = tokens[i].tolist()
         free = {t for t in range(4) if not observed[i, t]}
@@ -530,24 +551,19 @@ def _data_leaves(g, tokens):
 @exercise("inside")
 def test_data_inside_equals_recursion_by_hand():
     """inside(): every span's chart entry against a pure-Python inside recursion, masked words
-    included; zero outside 0 <= i < j <= L."""
+    included; zero outside 0 <= i < j <= L; in leaf's dtype, binary and leaf left unchanged."""
     g = _data_tiny_pcfg()
     for xs in (_DATA_SAME_LENGTH, [[1, 1, 0, 2, 2, 1]], [[2]]):
-        tokens = torch.tensor(xs)
-        chart = data.inside(g.binary, _data_leaves(g, tokens))
-        L = tokens.shape[1]
-        assert chart.shape == (len(xs), L + 1, L + 1, 3), \
-            'expected chart.shape == (len(xs), L + 1, L + 1, 3)'
-        assert chart.dtype == torch.float64, 'expected chart.dtype == torch.float64'
-        for n, x in enumerate(xs):
-            _, ins = _data_brute_inside(g, x)
-            brute = torch.zeros(L + 1, L + 1, 3, dtype=torch.float64)
-            for i in range(L):
-                for j in range(i + 1, L + 1):
-                    brute[i, j] = torch.tensor([ins(i, j, a) for a in range(3)],
-                                               dtype=torch.float64)
-            assert torch.allclose(chart[n], brute, atol=1e-14, rtol=1e-12), \
-                _differs(chart[n], brute)
+        L, brute = len(xs[0]), _data_chart_by_hand(g, xs)
+        for dtype, rtol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+            binary, leaf = g.binary.to(dtype), _data_leaves(g, torch.tensor(xs)).to(dtype)
+            before = binary.clone(), leaf.clone()
+            chart = data.inside(binary, leaf)
+            assert chart.shape == (len(xs), L + 1, L + 1, 3) and chart.dtype == dtype, \
+                f"chart {chart.dtype} {tuple(chart.shape)} from {dtype} leaves [n, {L}, 3]"
+            torch.testing.assert_close(chart.double(), brute, atol=rtol * 1e-2, rtol=rtol)
+            assert torch.equal(binary, before[0]) and torch.equal(leaf, before[1]), \
+                "inside() changed its inputs"
 
 
 def _data_chart_by_hand(g, xs):
@@ -566,26 +582,36 @@ def _data_chart_by_hand(g, xs):
 @exercise("outside")
 def test_data_outside_equals_stand_in_subtrees():
     """outside()[i, j, a] = Pr(x_<i a x_>=j): the probability of the sentence with the span
-    [i, j) replaced by a stand-in leaf that only a generates (pure-Python inside recursion)."""
+    [i, j) replaced by a stand-in leaf that only a generates (pure-Python inside recursion); in
+    chart's dtype, the inputs left unchanged."""
     for g, xs in ((_data_tiny_pcfg(), _DATA_SAME_LENGTH), (_data_tiny_pcfg(), [[1, 0, 2]]),
                   (data.PCFG(**data.parse_rules(_DATA_RULES)), [[0, 2, 1, 1, 2]])):
         L, S = len(xs[0]), g.n_symbols
-        outer = data.outside(g.root, g.binary, _data_chart_by_hand(g, xs))
-        assert outer.shape == (len(xs), L + 1, L + 1, S), \
-            'expected outer.shape == (len(xs), L + 1, L + 1, S)'
+        brute = torch.zeros(len(xs), L + 1, L + 1, S, dtype=torch.float64)
         for n, x in enumerate(xs):
             for i in range(L):
                 for j in range(i + 1, L + 1):
-                    brute = [_data_brute_inside(g, x[:i] + [("sym", a)] + x[j:])[0]
-                             for a in range(S)]
-                    assert torch.allclose(outer[n, i, j], torch.tensor(brute, dtype=torch.float64),
-                                          atol=1e-14, rtol=1e-12), (n, i, j)
+                    brute[n, i, j] = torch.tensor(
+                        [_data_brute_inside(g, x[:i] + [("sym", a)] + x[j:])[0] for a in range(S)],
+                        dtype=torch.float64)
+        for dtype, rtol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+            args = (g.root.to(dtype), g.binary.to(dtype), _data_chart_by_hand(g, xs).to(dtype))
+            before = [a.clone() for a in args]
+            outer = data.outside(*args)
+            assert outer.shape == (len(xs), L + 1, L + 1, S) and outer.dtype == dtype, \
+                f"outer {outer.dtype} {tuple(outer.shape)} from a {dtype} chart"
+            for i, j in itertools.combinations(range(L + 1), 2):      # the spans 0 <= i < j <= L
+                torch.testing.assert_close(outer[:, i, j].double(), brute[:, i, j],
+                                           atol=rtol * 1e-2, rtol=rtol, msg=f"span [{i}, {j})")
+            assert all(torch.equal(a, b) for a, b in zip(args, before)), \
+                "outside() changed its inputs"
 
 
 @exercise("pcfg_conditional")
 def test_data_pcfg_conditional_plain_equals_brute_force():
     """pcfg_conditional: Pr(x_t = w | x_-t) from one full inside probability per candidate
-    word, other masked words summed out by enumerating their fillings."""
+    word, other masked words summed out by enumerating their fillings; NaN where Pr(x_-t) = 0;
+    in the rules' dtype."""
     g = _data_tiny_pcfg()
     for xs in (_DATA_SAME_LENGTH, [[1, 1, 0, 2, 2]], [[1]]):
         cond = data.pcfg_conditional(g.root, g.binary, g.lexical, torch.tensor(xs))
@@ -597,6 +623,25 @@ def test_data_pcfg_conditional_plain_equals_brute_force():
                 ps = [_data_brute_inside(g, x[:t] + [w] + x[t + 1:])[0] for w in range(3)]
                 brute = torch.tensor(ps, dtype=torch.float64) / sum(ps)
                 assert torch.allclose(cond[n, t], brute, atol=1e-12, rtol=0), (n, t)
+    # "cat cat cat", "cat dog cat", "runs runs dog" have probability 0 under _DATA_RULES; a row
+    # is NaN where no word at t makes the sentence possible, else the conditional
+    g = data.PCFG(**data.parse_rules(_DATA_RULES))
+    xs = [[0, 0, 0], [0, 1, 0], [0, 1, 1], [2, 2, 1]]
+    cond = data.pcfg_conditional(g.root, g.binary, g.lexical, torch.tensor(xs))
+    for n, x in enumerate(xs):
+        for t in range(3):
+            ps = torch.tensor([_data_brute_inside(g, x[:t] + [w] + x[t + 1:])[0]
+                               for w in range(3)], dtype=torch.float64)
+            brute = ps / ps.sum() if ps.sum() > 0 else torch.full((3,), math.nan)
+            torch.testing.assert_close(cond[n, t], brute.double(), atol=1e-12, rtol=0,
+                                       equal_nan=True, msg=f"sentence {x}, position {t}")
+    assert cond[0].isnan().all() and cond[1, :2].isnan().all() and cond[3, 2].isnan().all(), \
+        "rows whose other words are impossible must be NaN (0/0), not zero"
+    # in the rules' dtype: float32 rules give float32
+    cond32 = data.pcfg_conditional(g.root.float(), g.binary.float(), g.lexical.float(),
+                                   torch.tensor(xs))
+    assert cond32.dtype == torch.float32, f"{cond32.dtype} from float32 rules"
+    torch.testing.assert_close(cond32.double(), cond, atol=1e-6, rtol=1e-5, equal_nan=True)
 
 
 @pytest.mark.parametrize("fast", [True, False])
