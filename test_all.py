@@ -1264,6 +1264,42 @@ def test_model_grow_leaves_the_source_unchanged(ln):
 
 
 @exercise("grow")
+@pytest.mark.parametrize("arch", ["transformer", "lstm"])
+def test_model_grow_keeps_mode_config_and_global_rng(arch):
+    """The grown model is in the source's train/eval mode, with its config save for the sizes;
+    the source's mode and the global RNG are left as they were (grow draws inside fork_rng)."""
+    sizes = ("n_heads", "n_layers", "lstm_hidden")
+    for training in (True, False):
+        small = model.build(_model_config(arch, "post", dropout=0.1)).train(training)
+        state = torch.get_rng_state()
+        big = model.grow(small, 2, 1 if arch == "transformer" else 0, seed=3)
+        assert torch.equal(torch.get_rng_state(), state), "grow() moved the global RNG"
+        assert (big.training, small.training) == (training, training), \
+            f"source in {'train' if training else 'eval'} mode: grown {big.training}, " \
+            f"source now {small.training}"
+        kept = [{k: v for k, v in dataclasses.asdict(net.config).items() if k not in sizes}
+                for net in (big, small)]
+        assert kept[0] == kept[1], f"config {kept[0]} is not the source's {kept[1]}"
+
+
+@exercise("grow")
+def test_model_grow_new_blocks_come_from_its_seed():
+    """A new block's weights other than its zeroed output projections are build()'s under
+    torch.manual_seed(seed): the same seed gives the same model, another seed another one."""
+    small = model.build(_model_config("transformer", "pre"))
+    a, b, c = (model.grow(small, 2, 1, seed=s).state_dict() for s in (4, 4, 5))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        fresh = model.build(model.ModelConfig(**{**dataclasses.asdict(small.config),
+                                                 "n_heads": 4, "n_layers": 3})).state_dict()
+    new = [k for k in fresh if k.startswith("blocks.2.") and not k.endswith("proj.weight")
+           and not k.endswith("proj.bias")]
+    assert all(torch.equal(c[k], fresh[k]) for k in new), "new blocks not build()'s at the seed"
+    assert all(torch.equal(a[k], b[k]) for k in a), "the same seed gave another model"
+    assert not all(torch.equal(a[k], c[k]) for k in new), "another seed gave the same new block"
+
+
+@exercise("grow")
 @pytest.mark.parametrize("ln", ["pre", "post"])
 def test_model_grown_blocks_get_gradient(ln):
     big = model.grow(model.build(_model_config("transformer", ln)), 2, 1)
@@ -1400,6 +1436,9 @@ def test_model_attention_equals_loops_over_heads_and_queries():
     out = model.attention(q, k, v, keep)
     assert out.shape == q.shape, 'expected out.shape == q.shape'
     torch.testing.assert_close(out, _model_attention_by_loops(q, k, v, keep), rtol=0, atol=1e-12)
+    out32 = model.attention(q.float(), k.float(), v.float(), keep)       # in q's dtype
+    assert out32.dtype == torch.float32, f"float32 inputs gave {out32.dtype}"
+    torch.testing.assert_close(out32.double(), out, rtol=0, atol=1e-5)
     # padded keys are not read: their keys and values may be anything
     k2, v2 = k.clone(), v.clone()
     k2[~keep[:, None, :, None].expand_as(k)] = 1e3
