@@ -267,9 +267,10 @@ def grow(model, width=2, extra_layers=0, seed=0, split="even"):
     per weight, uniform in [0.5, 1.5] normalised to sum 1 over the k copies, from a
     torch.Generator seeded with `seed` (the copies get unequal gradients and can part). Either
     way each residual stream / LSTM state is exactly [h, ..., h]: a LayerNorm sees the same
-    mean and variance, attention the same scores. The tied output layer would give k times the logits, so the LayerNorm producing h_L
-    (pre-LN: ln_f; post-LN: the last block's ln_2) has its gain and bias divided by k, and
-    features() become [h, ..., h] / k; the LSTM's head divides by k instead.
+    mean and variance, attention the same scores. The tied output layer would give k times the
+    logits, so the LayerNorm producing h_L (pre-LN: ln_f; post-LN: the last block's ln_2) has
+    its gain and bias divided by k, and features() become [h, ..., h] / k; the LSTM's head
+    divides by k instead.
     Depth (transformers): a new block with zero attention and MLP output projections (its other
     weights fresh from `seed`, so it can train) is the identity on a pre-LN stream. On a post-LN
     stream it is not: the paper's zero-filled blocks change the function (zero_filled_blocks,

@@ -23,6 +23,7 @@ Contents, one section per script in the data-flow order (tests are named test_<s
 """
 import argparse
 import contextlib
+import copy
 import csv
 import dataclasses
 import io
@@ -1693,6 +1694,11 @@ def test_train_adversarial_loss_equals_a_numpy_ridge_fit(n1, alpha):
     assert loss.dim() == 0, 'expected loss.dim() == 0'
     assert loss.item() == pytest.approx(expect, rel=1e-4), \
         'expected loss.item() == pytest.approx(expect, rel=1e-4)'
+    loss64 = train.adversarial_loss(feats.double(), tokens, labels, C, n1, pad,
+                                    torch.Generator().manual_seed(3), alpha=alpha)
+    assert (loss.dtype, loss64.dtype) == (torch.float32, torch.float32), \
+        f"loss_D2 in {loss.dtype}, {loss64.dtype} from float32, float64 features: not in float32"
+    assert loss64.item() == pytest.approx(expect, rel=1e-4), (loss64.item(), expect)
 
 
 @exercise("adversarial")
@@ -2306,10 +2312,11 @@ class _TrainSchedule:
     ("linear", 0, {0: 0.1, 4: 0.5, 9: 1.0, 10: 1.0, 55: 0.5, 99: 1 / 90}),
     ("const", 0, {0: 0.1, 9: 1.0, 10: 1.0, 50: 1.0, 99: 1.0}),
     ("const", 20, {0: 0.1, 9: 1.0, 79: 1.0, 80: 1.0, 90: 0.5, 99: 0.05}),
+    ("linear", 20, {0: 0.1, 9: 1.0, 10: 1.0, 55: 0.5, 80: 2 / 9, 90: 1 / 9, 99: 1 / 90}),  # no N
 ])
 def test_train_lr_schedule_known_values(schedule, decay, known):
-    """App. A.3's schedule at hand-computed updates, and its shape: rising during the warm-up,
-    never rising after it, positive at every update."""
+    """App. A.3's schedule at hand-computed updates (--decay-steps shortens the constant one's
+    end only), and its shape: rising during the warm-up, never rising after it, positive."""
     args = _TrainSchedule(schedule, decay)
     lrs = [train.lr_at(i, args) for i in range(100)]
     assert {i: lrs[i] for i in known} == pytest.approx(known, rel=1e-12), \
@@ -2369,7 +2376,8 @@ def test_train_mlm_loss_equals_a_loop_over_masked_positions():
     targets[0, 1], targets[1, 4], targets[2, 0], targets[2, 3] = 2, 5, 0, 3
     loss = train.mlm_loss(logits, targets, V)
     assert loss.dim() == 0, 'expected loss.dim() == 0'
-    assert loss.dtype == torch.float32, 'expected loss.dtype == torch.float32'
+    wide = (torch.float32, torch.float64)                             # float32 at least
+    assert loss.dtype in wide, f"float32 logits gave a {loss.dtype} loss"
     assert loss.item() == pytest.approx(_train_loss_by_hand(logits, targets, V), rel=1e-6), \
         'expected loss.item() == pytest.approx(_train_loss_by_hand(logits, targets, V), rel=1e-6)'
     # the special tokens' logits and the unpredicted positions play no part
@@ -2378,9 +2386,10 @@ def test_train_mlm_loss_equals_a_loop_over_masked_positions():
     other[0, 0] = other[1, 1] = -7.0
     assert train.mlm_loss(other, targets, V).item() == loss.item(), \
         'expected train.mlm_loss(other, targets, V).item() == loss.item()'
-    # bf16 logits are promoted to float32
-    assert train.mlm_loss(logits.bfloat16(), targets, V).dtype == torch.float32, \
-        'expected train.mlm_loss(logits.bfloat16(), targets, V).dtype == torch.float32'
+    # bf16 logits are promoted to float32 at least; float64 logits give float64
+    assert train.mlm_loss(logits.bfloat16(), targets, V).dtype in wide, "bf16 loss not promoted"
+    assert train.mlm_loss(logits.double(), targets, V).dtype == torch.float64, \
+        "float64 logits must give a float64 loss"
 
 
 @exercise("mlm_loss")
@@ -2479,9 +2488,15 @@ def test_train_exact_kl_on_a_hand_made_language(batch):
     q = _train_toy_q(lang, seed=0)
     net = _TrainTableModel(q).train()
     ev = train.make_eval_set(lang, 3)
+    before = {f.name: copy.deepcopy(getattr(ev, f.name)) for f in dataclasses.fields(ev)}
     got = train.evaluate(net, ev, 3, batch=batch)
     loss, ent, kl, se = _train_toy_kl_by_hand(lang, q)
     assert set(got) == {"eval_loss", "entropy", "kl", "kl_se"}, f"keys {sorted(got)}"
+    assert all(isinstance(v, float) for v in got.values()), \
+        f"returns {[type(v).__name__ for v in got.values()]}, not floats"
+    changed = [k for k, v in before.items() if not (
+        torch.equal(v, getattr(ev, k)) if torch.is_tensor(v) else v == getattr(ev, k))]
+    assert not changed, f"evaluate changed the eval set's {changed}"
     for key, want, rel in (("eval_loss", loss, 1e-6), ("entropy", ent, 1e-12), ("kl", kl, 1e-5),
                            ("kl_se", se, 1e-5)):
         assert got[key] == pytest.approx(want, rel=rel), \
@@ -4041,7 +4056,8 @@ def test_probe_cli_prints_the_row_without_per_sentence_counts(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--summary", "RUN", "--csv", "TMP"], "is a folder; it must be a file"),
-    (["CKPT", "--compare", "a@1", "b@1"], "--compare, --to-measure, --plot and --csv go with --summary"),
+    (["CKPT", "--compare", "a@1", "b@1"],
+     "--compare, --to-measure, --plot and --csv go with --summary"),
     (["CKPT", *_PROBE_CLI_SMALL, "--threads", "0"], "argument --threads: must be >= 1 (got 0)"),
 ])
 def test_probe_cli_usage_errors(tmp_path, capsys, argv, message):
