@@ -2989,12 +2989,17 @@ def test_hessian_trace_is_unbiased_for_the_exact_fisher_trace(lstm):
 @exercise("trace_hessian")
 def test_hessian_trace_of_a_uniform_softmax_is_known():
     """logits = b1 + b2 = 0: every ‖∇ log p_y‖² = 2 ‖e_y - 1/V‖² = 2 (1 - 1/V), so every
-    repetition, hence the mean, is 1.6 for V = 5 and the std is 0."""
-    net = _HessianBiasOnly([0.0] * 5, [0.0] * 5)
+    repetition, hence the mean, is 1.6 for V = 5 and the std is 0; floats, the model (in
+    training mode here) left as it was."""
+    net = _HessianBiasOnly([0.0] * 5, [0.0] * 5).train()
     inputs, _, positions = _hessian_masked(n=3)
     mean, std = hessian.trace_hessian(net, inputs, positions, n_samples=3, n_repeats=4)
     assert mean == pytest.approx(1.6, abs=1e-6), 'expected mean == pytest.approx(1.6, abs=1e-6)'
     assert std < 1e-6, 'expected std < 1e-6'
+    assert isinstance(mean, float) and isinstance(std, float), \
+        f"returns {type(mean).__name__}, {type(std).__name__}, not floats"
+    assert net.training, "the model must be left in the mode it came in (here: training)"
+    assert net.b1.tolist() == net.b2.tolist() == [0.0] * 5, "the model's parameters changed"
 
 
 @exercise("trace_hessian")
@@ -3188,9 +3193,13 @@ def test_hessian_noise_covariance_by_enumeration():
     w = (pi[:, None] * p_true).reshape(-1)
     centred = grads - w @ grads
     expect = centred.T @ (w[:, None] * centred)
+    before = theta.clone()
     got = hessian.gradient_covariance(theta, *shapes, pi, p_true)
-    assert got.shape == (27, 27), 'expected got.shape == (27, 27)'
+    assert got.shape == (27, 27) and got.dtype == torch.float64, \
+        f"returns {got.dtype} {tuple(got.shape)}, not θ's float64 (27, 27)"
     assert torch.allclose(got, expect, atol=1e-12), _differs(got, expect)
+    assert torch.allclose(got, got.T, atol=1e-14, rtol=0), "Σ is not symmetric"
+    assert torch.equal(theta, before), "θ was modified"
 
 
 @exercise("noise_covariance")
