@@ -3379,9 +3379,11 @@ def test_probe_linear_probe_is_fixed_by_its_seed():
 
 
 def _probe_reference(x_train, y_train, x_test, n_classes, seed, proj_dim, epochs,
-                     own_test_statistics=False, double_softmax=False):
-    """linear_probe's docstring written out independently -> test predictions; the two flags
-    make two plausible mistakes, so the data can be shown to tell them apart."""
+                     lr=probe.LINEAR_LR, batch_size=probe.LINEAR_BATCH, own_test_statistics=False,
+                     double_softmax=False, adam=False, no_bias=False):
+    """linear_probe's docstring written out independently -> test predictions; the flags make
+    plausible mistakes (adam: torch.optim.Adam with the weight decay added to the gradient), so
+    the data can be shown to tell them apart."""
     g = torch.Generator().manual_seed(seed)
     if proj_dim is not None:
         R = torch.randn(x_train.shape[1], proj_dim, generator=g) / math.sqrt(proj_dim)
@@ -3393,10 +3395,14 @@ def _probe_reference(x_train, y_train, x_test, n_classes, seed, proj_dim, epochs
     with torch.no_grad():
         head.weight.copy_(torch.rand(n_classes, x_train.shape[1], generator=g) * 2 * bound - bound)
         head.bias.copy_(torch.rand(n_classes, generator=g) * 2 * bound - bound)
-    opt = torch.optim.AdamW(head.parameters(), lr=probe.LINEAR_LR, weight_decay=probe.WEIGHT_DECAY)
+        if no_bias:
+            head.bias.zero_()
+    params = [head.weight] if no_bias else list(head.parameters())
+    opt = (torch.optim.Adam if adam else torch.optim.AdamW)(params, lr=lr,
+                                                            weight_decay=probe.WEIGHT_DECAY)
     for _ in range(epochs):
         order = torch.randperm(len(x_train), generator=g)
-        for batch in order.split(probe.LINEAR_BATCH):
+        for batch in order.split(batch_size):
             logits = head(x_train[batch])
             logits = logits.softmax(1) if double_softmax else logits
             opt.zero_grad()
@@ -3439,6 +3445,30 @@ def test_probe_linear_probe_follows_its_specification(proj_dim, kind, mistake):
     assert agree > 0.99, (f"right/wrong agrees with the specification on {agree:.1%} of the "
                           f"test points only (the training split's statistics for both splits? "
                           f"one softmax? the draws in the docstring's order?)")
+
+
+@exercise("linear_probe")
+@pytest.mark.parametrize("proj_dim", [16, None])
+def test_probe_linear_probe_is_adamw_on_a_head_with_a_bias(proj_dim):
+    """Four overlapping classes of frequencies 50, 30, 15 and 5 %: the bias decides many test
+    points; lr 1 over 130 steps makes AdamW's decoupled weight decay (lr · WEIGHT_DECAY, 1 % a
+    step) decide others. The probe agrees with its docstring's computation on nearly every
+    point; a head without a bias, or Adam (weight decay in the gradient), far from it."""
+    g = torch.Generator().manual_seed(0)
+    y = torch.multinomial(torch.tensor([0.5, 0.3, 0.15, 0.05]), 1200, replacement=True,
+                          generator=g)
+    x = torch.randn(4, 8, generator=g)[y] + 1.5 * torch.randn(1200, 8, generator=g)
+    x_train, y_train, x_test, y_test = x[800:], y[800:], x[:800], y[:800]
+    kw = dict(epochs=10, lr=1.0, batch_size=32)
+    right = _probe_reference(x_train, y_train, x_test, 4, 3, proj_dim, **kw).eq(y_test)
+    for mistake in ("no_bias", "adam"):
+        wrong = _probe_reference(x_train, y_train, x_test, 4, 3, proj_dim, **kw, **{mistake: True})
+        assert wrong.eq(y_test).eq(right).float().mean() < 0.96, f"the data cannot tell {mistake}"
+    correct = probe.linear_probe(x_train, y_train, x_test, y_test, 4, seed=3, proj_dim=proj_dim,
+                                 **kw)
+    agree = correct.eq(right).float().mean().item()
+    assert agree > 0.99, (f"right/wrong agrees with the specification on {agree:.1%} of the "
+                          f"test points only (a bias? AdamW, its weight decay decoupled?)")
 
 
 def test_probe_projection_is_seeded_and_n_0_1_over_512():
@@ -3533,17 +3563,26 @@ def test_probe_partial_r2_equals_extra_sum_of_squares():
 @exercise("partial_r2")
 def test_probe_partial_r2_known_cases():
     """y exactly linear in z and x (x not a function of z): x explains all that z leaves, r² = 1
-    with x's sign; x a linear function of z plus noise independent of y's: r² near 0."""
+    with x's sign, floats; x a linear function of z plus noise independent of y's: r² near 0; a
+    constant residual: (nan, nan)."""
     z = np.array([0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
     x = np.array([1.0, -1.0, 0.5, 2.0, -0.5, 0.0])
     assert probe.partial_r2(3 * z - 2 * x + 1, x, z) == pytest.approx((1.0, -1.0)), \
         'expected probe.partial_r2(3 * z - 2 * x + 1, x, z) == pytest.approx((1.0, -1.0))'
     assert probe.partial_r2(-z + 0.5 * x, x, z) == pytest.approx((1.0, 1.0)), \
         'expected probe.partial_r2(-z + 0.5 * x, x, z) == pytest.approx((1.0, 1.0))'
+    r2, sign = probe.partial_r2(3 * z - 2 * x + 1, x, z)
+    assert isinstance(r2, float) and isinstance(sign, float), \
+        f"returns {type(r2).__name__}, {type(sign).__name__}, not floats"
     rng = np.random.default_rng(5)
     z = rng.normal(size=2000)
     r2, _ = probe.partial_r2(z + rng.normal(size=2000), 2 * z + rng.normal(size=2000), z)
     assert r2 < 0.01, 'expected r2 < 0.01'
+    # every checkpoint at one KL: y (or x) constant leaves a constant residual
+    z, x = np.full(6, 0.5), np.array([1.0, -1.0, 0.5, 2.0, -0.5, 0.0])
+    for y_x in ((np.full(6, 0.7), x), (x, np.full(6, 0.7))):
+        got = probe.partial_r2(*y_x, z)
+        assert all(math.isnan(v) for v in got), f"{got} for a constant residual, not (nan, nan)"
 
 
 def _probe_paired_counts(k=1, seed=2):
@@ -3575,9 +3614,14 @@ def test_probe_paired_difference_matches_numpy():
 
 @exercise("paired_difference")
 def test_probe_paired_difference_across_training_seeds():
-    """The mean over runs and its se, by the statistics module; one run: no se across runs."""
+    """The mean over runs and its se, by the statistics module; lists of floats and floats; one
+    run: no se across runs."""
     _, _, seeds, a, b = _probe_paired_counts(k=4, seed=7)
-    diffs, _, mean, se_mean = probe.paired_difference(a, b, seeds)
+    diffs, ses, mean, se_mean = probe.paired_difference(a, b, seeds)
+    assert isinstance(diffs, list) and isinstance(ses, list) and len(diffs) == len(ses) == 4, \
+        f"diffs, ses are {type(diffs).__name__}, {type(ses).__name__}: not lists of 4 floats"
+    assert all(isinstance(v, float) for v in [*diffs, *ses, mean, se_mean]), \
+        f"not floats: {[type(v).__name__ for v in [*diffs, *ses, mean, se_mean]]}"
     assert mean == pytest.approx(statistics.fmean(diffs), abs=1e-12), \
         'expected mean == pytest.approx(statistics.fmean(diffs), abs=1e-12)'
     assert se_mean == pytest.approx(statistics.stdev(diffs) / 2, rel=1e-9), \
