@@ -4230,6 +4230,8 @@ def test_dyck_support_brute_force():
 # ----------------------------------------------------------------- exercise: transferable (Sec. 5)
 @exercise("transferable")
 def test_dyck_transferable_interpolates_every_support_point():
+    """Solution (1) as its docstring builds it (Q = K = 0; neurons 1 and 2 at ±c [1_T; 0_T]
+    and ±b, the others 0), float64: f = y on every support point."""
     for T in (6, 8):
         X, y = _dyck_support(T)
         for m in (2, 3, 7):
@@ -4239,6 +4241,12 @@ def test_dyck_transferable_interpolates_every_support_point():
                 'expected {k: tuple(v.shape) for k, v in p.items()} == { "Q": (2 * T, 2 * T), "K...'
             assert all(v.dtype == torch.float64 for v in p.values()), \
                 'expected all(v.dtype == torch.float64 for v in p.values())'
+            # the docstring's solution: b c = m T and c / T = b / sqrt(T), neurons 1 and 2 only
+            b = math.sqrt(m * math.sqrt(T))
+            V, u = torch.zeros(m, 2 * T, dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
+            V[0, :T], V[1, :T], u[0], u[1] = b * math.sqrt(T), -b * math.sqrt(T), b, -b
+            for key, want in (("Q", 0 * p["Q"]), ("K", 0 * p["K"]), ("V", V), ("u", u)):
+                torch.testing.assert_close(p[key], want, rtol=1e-12, atol=0, msg=key)
             f = dyck_theory.model_output(p, X)
             assert (f - y).abs().max().item() < 1e-12, 'expected (f - y).abs().max().item() < 1e-12'
 
@@ -4339,6 +4347,8 @@ def test_dyck_trace_identity_equals_the_hessian_at_zero_loss():
     diag = _dyck_full_hessian_diagonal(z, X, y)
     assert set(ident) == {"Q", "K", "V", "u", "total"}, \
         'expected set(ident) == {"Q", "K", "V", "u", "total"}'
+    assert all(isinstance(v, float) for v in ident.values()), \
+        f"returns {[type(v).__name__ for v in ident.values()]}, not floats"
     for k in ("Q", "K", "V", "u", "total"):
         assert abs(ident[k] - diag[k]) <= 1e-9 * diag["total"], \
             'expected abs(ident[k] - diag[k]) <= 1e-9 * diag["total"]'
