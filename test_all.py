@@ -133,14 +133,16 @@ def test_data_mask_position_is_uniform_chi_square():
 @exercise("mask")
 def test_data_mask_draws_from_its_generator_only():
     """The docstring's draw: one float64 uniform per sentence from `generator`, position =
-    floor(u * length); the same seed gives the same masks, all three results are long, the
-    global RNG is not touched, and the tokens passed in are left as they were."""
+    floor(u * length); the same seed gives the same masks, another seed others, all three
+    results are long, the global RNG is not touched, and the tokens are left as they were."""
     lengths = torch.tensor([1, 2, 3, 7, 7, 5] * 50)
     tokens = torch.randint(0, 4, (300, 7), generator=torch.Generator().manual_seed(2))
     before, global_state = tokens.clone(), torch.get_rng_state()
     a = data.mask_one(tokens, lengths, 4, torch.Generator().manual_seed(11))
     b = data.mask_one(tokens, lengths, 4, torch.Generator().manual_seed(11))
     assert all(torch.equal(x, y) for x, y in zip(a, b)), "the same seed gave other masks"
+    other = data.mask_one(tokens, lengths, 4, torch.Generator().manual_seed(12))[2]
+    assert not torch.equal(a[2], other), "another seed gave the same masks"
     assert [x.dtype for x in a] == [torch.long] * 3, f"returns {[x.dtype for x in a]}, not long"
     u = torch.rand(300, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
     want = (u * lengths).floor().long()
@@ -1699,6 +1701,9 @@ def test_train_adversarial_loss_equals_a_numpy_ridge_fit(n1, alpha):
     assert (loss.dtype, loss64.dtype) == (torch.float32, torch.float32), \
         f"loss_D2 in {loss.dtype}, {loss64.dtype} from float32, float64 features: not in float32"
     assert loss64.item() == pytest.approx(expect, rel=1e-4), (loss64.item(), expect)
+    other = train.adversarial_loss(feats, tokens, labels, C, n1, pad,
+                                   torch.Generator().manual_seed(4), alpha=alpha)
+    assert other.item() != loss.item(), "another generator seed gave the same projection"
 
 
 @exercise("adversarial")
