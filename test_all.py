@@ -67,6 +67,18 @@ def _differs(a, b):
             f"{a[where].item():.6g} vs {b[where].item():.6g}")
 
 
+def _on_meta(fn, *args, **kwargs):
+    """fn(*args, **kwargs) with its inputs on the meta device, a stand-in for a GPU: a tensor made
+    on the CPU and mixed in fails there, and the failure is reported as such."""
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, NotImplementedError) as e:
+        if str(e).startswith("exercise "):                           # a blank exercise
+            raise
+        raise AssertionError(f"fails with its inputs on another device (meta): "
+                             f"{type(e).__name__}: {str(e)[:200]}") from e
+
+
 def exercise(*names):
     """Tag a test as grading exercises: `pytest -k ex_<name>` selects it (pytest's -k matches the
     attribute ex_<name> set on the test function)."""
@@ -554,7 +566,8 @@ def _data_leaves(g, tokens):
 @exercise("inside")
 def test_data_inside_equals_recursion_by_hand():
     """inside(): every span's chart entry against a pure-Python inside recursion, masked words
-    included; zero outside 0 <= i < j <= L; in leaf's dtype, binary and leaf left unchanged."""
+    included; zero outside 0 <= i < j <= L; in leaf's dtype and device (the meta device stands
+    in for a GPU), binary and leaf left unchanged."""
     g = _data_tiny_pcfg()
     for xs in (_DATA_SAME_LENGTH, [[1, 1, 0, 2, 2, 1]], [[2]]):
         L, brute = len(xs[0]), _data_chart_by_hand(g, xs)
@@ -567,6 +580,8 @@ def test_data_inside_equals_recursion_by_hand():
             torch.testing.assert_close(chart.double(), brute, atol=rtol * 1e-2, rtol=rtol)
             assert torch.equal(binary, before[0]) and torch.equal(leaf, before[1]), \
                 "inside() changed its inputs"
+    chart = _on_meta(data.inside, g.binary.to("meta"), leaf.to("meta"))    # in leaf's device
+    assert chart.device.type == "meta", f"leaves on the meta device gave {chart.device}"
 
 
 def _data_chart_by_hand(g, xs):
@@ -586,7 +601,7 @@ def _data_chart_by_hand(g, xs):
 def test_data_outside_equals_stand_in_subtrees():
     """outside()[i, j, a] = Pr(x_<i a x_>=j): the probability of the sentence with the span
     [i, j) replaced by a stand-in leaf that only a generates (pure-Python inside recursion); in
-    chart's dtype, the inputs left unchanged."""
+    chart's dtype and device, the inputs left unchanged."""
     for g, xs in ((_data_tiny_pcfg(), _DATA_SAME_LENGTH), (_data_tiny_pcfg(), [[1, 0, 2]]),
                   (data.PCFG(**data.parse_rules(_DATA_RULES)), [[0, 2, 1, 1, 2]])):
         L, S = len(xs[0]), g.n_symbols
@@ -608,6 +623,8 @@ def test_data_outside_equals_stand_in_subtrees():
                                            atol=rtol * 1e-2, rtol=rtol, msg=f"span [{i}, {j})")
             assert all(torch.equal(a, b) for a, b in zip(args, before)), \
                 "outside() changed its inputs"
+    outer = _on_meta(data.outside, *(a.to("meta") for a in args))         # in chart's device
+    assert outer.device.type == "meta", f"a chart on the meta device gave {outer.device}"
 
 
 @exercise("pcfg_conditional")
@@ -1269,8 +1286,9 @@ def test_model_grow_leaves_the_source_unchanged(ln):
 @exercise("grow")
 @pytest.mark.parametrize("arch", ["transformer", "lstm"])
 def test_model_grow_keeps_mode_config_and_global_rng(arch):
-    """The grown model is in the source's train/eval mode, with its config save for the sizes;
-    the source's mode and the global RNG are left as they were (grow draws inside fork_rng)."""
+    """The grown model is in the source's train/eval mode and on its device (meta here), with
+    its config save for the sizes; the source's mode and the global RNG are left as they were
+    (grow draws inside fork_rng)."""
     sizes = ("n_heads", "n_layers", "lstm_hidden")
     for training in (True, False):
         small = model.build(_model_config(arch, "post", dropout=0.1)).train(training)
@@ -1283,6 +1301,9 @@ def test_model_grow_keeps_mode_config_and_global_rng(arch):
         kept = [{k: v for k, v in dataclasses.asdict(net.config).items() if k not in sizes}
                 for net in (big, small)]
         assert kept[0] == kept[1], f"config {kept[0]} is not the source's {kept[1]}"
+    big = _on_meta(model.grow, small.to("meta"), 2, 1 if arch == "transformer" else 0,
+                   split="random")
+    assert {p.device.type for p in big.parameters()} == {"meta"}, "not on the source's device"
 
 
 @exercise("grow")
@@ -1442,6 +1463,8 @@ def test_model_attention_equals_loops_over_heads_and_queries():
     out32 = model.attention(q.float(), k.float(), v.float(), keep)       # in q's dtype
     assert out32.dtype == torch.float32, f"float32 inputs gave {out32.dtype}"
     torch.testing.assert_close(out32.double(), out, rtol=0, atol=1e-5)
+    meta = _on_meta(model.attention, *(x.to("meta") for x in (q, k, v, keep)))  # q's device
+    assert meta.device.type == "meta", f"inputs on the meta device gave {meta.device}"
     # padded keys are not read: their keys and values may be anything
     k2, v2 = k.clone(), v.clone()
     k2[~keep[:, None, :, None].expand_as(k)] = 1e3
