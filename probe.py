@@ -212,8 +212,8 @@ def partial_r2(y, x, z):
 
 def paired_difference(n_correct_a, n_correct_b, n_probe_seeds):
     """Checkpoint B's accuracy minus A's on the SAME test sentences (§4's comparisons), per
-    training seed and across training seeds -> (diffs, ses: lists of k floats, mean, se_mean:
-    floats).
+    training seed and across training seeds -> (diffs, ses, mean, se_mean): diffs and ses lists
+    of k floats, mean and se_mean floats.
 
     n_correct_a, n_correct_b [k][n]: for each of k training seeds (runs) and each of the n
     shared test sentences, how many of the n_probe_seeds probe seeds got it right (probe.jsonl's
