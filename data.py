@@ -124,7 +124,8 @@ def hmm_forward_backward(init, trans, emit, tokens, observed):
         alpha_1 = init,  alpha_{t+1}(h') ∝ Σ_h alpha_t(h) e_t(h) trans[h, h']    ∝ Pr(h_t, x_<t)
         beta_T = 1,      beta_t(h) ∝ Σ_h' trans[h, h'] e_{t+1}(h') beta_{t+1}(h')  ∝ Pr(x_>t | h_t)
         Pr(h_t = h | x_-t) ∝ alpha_t(h) beta_t(h)                  (x_t's own factor left out)
-    A sentence of probability 0 gives NaN rows.
+    Where the other words are impossible, Pr(x_-t) = 0, the row is NaN (0/0), not zero (at
+    every t, for a sentence that no change of one word makes possible).
     """
     # BEGIN EXERCISE hmm_conditional
     n, T = tokens.shape
@@ -335,7 +336,8 @@ def pcfg_conditional(root, binary, lexical, tokens):
     [n, L] word ids, mask_id(V) where a word is masked (summed out). The outside score of the
     one-word span [t, t+1) does not involve x_t, so, from inside() and outside() on pcfg_leaves:
         Pr(x_t = w | x_-t) ∝ Σ_A outer[t, t+1, A] lexical[A, w]      (normalised over w)
-    in the rules' dtype (float64); a sentence of probability 0 gives NaN rows.
+    in the rules' dtype (float64). Where the other words are impossible, Pr(x_-t) = 0, the row
+    is NaN (0/0), not zero (at every t, for a sentence that no change of one word makes possible).
     """
     # BEGIN EXERCISE pcfg_conditional requires inside outside
     t = torch.arange(tokens.shape[1])

@@ -197,7 +197,8 @@ def partial_r2(y, x, z):
     accuracy, x the trace, z the KL of some checkpoints): the squared correlation of the
     residuals of y and of x after each is regressed on z by least squares with an intercept,
     i.e. the share of the variance of y left unexplained by z that x explains; the sign (+1.0 /
-    -1.0) is that of x's coefficient in y ~ 1 + z + x. (nan, nan) if a residual is constant."""
+    -1.0) is that of x's coefficient in y ~ 1 + z + x; both floats. (nan, nan) if a residual is
+    constant (all its entries equal, as `regression` tests: e.g. y or x constant where z is)."""
     # BEGIN EXERCISE partial_r2
     y, x, z = (np.asarray(v, dtype=np.float64) for v in (y, x, z))
     Z = np.stack([np.ones_like(z), z], 1)
@@ -210,7 +211,8 @@ def partial_r2(y, x, z):
 
 def paired_difference(n_correct_a, n_correct_b, n_probe_seeds):
     """Checkpoint B's accuracy minus A's on the SAME test sentences (§4's comparisons), per
-    training seed and across training seeds -> (diffs [k], ses [k], mean, se_mean), floats.
+    training seed and across training seeds -> (diffs, ses, mean, se_mean): diffs and ses lists
+    of k floats, mean and se_mean floats.
 
     n_correct_a, n_correct_b [k][n]: for each of k training seeds (runs) and each of the n
     shared test sentences, how many of the n_probe_seeds probe seeds got it right (probe.jsonl's

@@ -23,6 +23,7 @@ Contents, one section per script in the data-flow order (tests are named test_<s
 """
 import argparse
 import contextlib
+import copy
 import csv
 import dataclasses
 import io
@@ -64,6 +65,18 @@ def _differs(a, b):
     where = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
     return (f"largest difference {diff.max().item():.3g} at index {where}: "
             f"{a[where].item():.6g} vs {b[where].item():.6g}")
+
+
+def _on_meta(fn, *args, **kwargs):
+    """fn(*args, **kwargs) with its inputs on the meta device, a stand-in for a GPU: a tensor made
+    on the CPU and mixed in fails there, and the failure is reported as such."""
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, NotImplementedError) as e:
+        if str(e).startswith("exercise "):                           # a blank exercise
+            raise
+        raise AssertionError(f"fails with its inputs on another device (meta): "
+                             f"{type(e).__name__}: {str(e)[:200]}") from e
 
 
 def exercise(*names):
@@ -132,14 +145,17 @@ def test_data_mask_position_is_uniform_chi_square():
 @exercise("mask")
 def test_data_mask_draws_from_its_generator_only():
     """The docstring's draw: one float64 uniform per sentence from `generator`, position =
-    floor(u * length); the same seed gives the same masks, the global RNG is not touched, and
-    the tokens passed in are left as they were."""
+    floor(u * length); the same seed gives the same masks, another seed others, all three
+    results are long, the global RNG is not touched, and the tokens are left as they were."""
     lengths = torch.tensor([1, 2, 3, 7, 7, 5] * 50)
     tokens = torch.randint(0, 4, (300, 7), generator=torch.Generator().manual_seed(2))
     before, global_state = tokens.clone(), torch.get_rng_state()
     a = data.mask_one(tokens, lengths, 4, torch.Generator().manual_seed(11))
     b = data.mask_one(tokens, lengths, 4, torch.Generator().manual_seed(11))
     assert all(torch.equal(x, y) for x, y in zip(a, b)), "the same seed gave other masks"
+    other = data.mask_one(tokens, lengths, 4, torch.Generator().manual_seed(12))[2]
+    assert not torch.equal(a[2], other), "another seed gave the same masks"
+    assert [x.dtype for x in a] == [torch.long] * 3, f"returns {[x.dtype for x in a]}, not long"
     u = torch.rand(300, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
     want = (u * lengths).floor().long()
     assert torch.equal(a[2], want), (f"positions differ from floor(u * length) at sentences "
@@ -202,27 +218,45 @@ def _data_hmm_dense():
     return data.HMM.random(3, 4, seed=1, n_blocks=1, length=4, emit_concentration=1.0)
 
 
+def _data_hmm_rest_by_enumeration(h, x, t, free=()):
+    """Pr(h_t = s | x_-t) [S]: Pr(x_-t, path) summed over every hidden path with h_t = s, the
+    words at t and at `free` unobserved (emission factor 1); NaN (0/0) where Pr(x_-t) = 0."""
+    init, trans, emit = h.init.numpy(), h.trans.numpy(), h.emit.numpy()
+    paths = np.array(list(itertools.product(range(h.n_states), repeat=len(x))))   # (P, T)
+    p = init[paths[:, 0]]
+    for s in range(len(x)):
+        p = p * (trans[paths[:, s - 1], paths[:, s]] if s else 1.0)
+        p = p * (1.0 if s == t or s in free else emit[paths[:, s], x[s]])
+    joint = np.bincount(paths[:, t], weights=p, minlength=h.n_states)
+    with np.errstate(invalid="ignore"):
+        return torch.from_numpy(joint / joint.sum())
+
+
 @exercise("hmm_conditional")
 def test_data_hmm_forward_backward_by_enumeration():
     """hmm_forward_backward gives Pr(h_t = h | x_-t), the enumerated sum over hidden paths with
-    x_t's own emission (and every unobserved word's) left out."""
+    x_t's own emission (and every unobserved word's) left out; NaN rows where Pr(x_-t) = 0."""
     for h in (_data_hmm_dense(), _data_hmm_tiny_blocks()):
         tokens, _, _ = h.sample(5, seed=3)
-        observed = torch.ones(5, 4, dtype=torch.bool)
+        observed = torch.ones(7, 4, dtype=torch.bool)
         observed[1, 2] = observed[2, 0] = observed[2, 3] = False   # unobserved words
         observed[3, 1:] = False                                   # a one-word sentence
+        # two sentences of probability 0 for the blocks (words 1, 2, 4 in one block, 0, 3, 5 in
+        # the other): x_-t impossible at every t but the first of [1, 0, 0, 3], at every t of
+        # [1, 0, 2, 3]
+        tokens = torch.cat([tokens, torch.tensor([[1, 0, 0, 3], [1, 0, 2, 3]])])
         rest = data.hmm_forward_backward(h.init, h.trans, h.emit, tokens, observed)
-        assert rest.shape == (5, 4, h.n_states), 'expected rest.shape == (5, 4, h.n_states)'
+        assert rest.shape == (7, 4, h.n_states), 'expected rest.shape == (7, 4, h.n_states)'
         assert rest.dtype == torch.float64, 'expected rest.dtype == torch.float64'
-        for i in range(5):
-            x = tokens[i].tolist()
+        for i in range(7):
             free = {t for t in range(4) if not observed[i, t]}
             for t in range(4):
-                joint = torch.zeros(h.n_states, dtype=torch.float64)
-                for hs in itertools.product(range(h.n_states), repeat=4):
-                    joint[hs[t]] += _data_hmm_joint(h, x, hs, free | {t})
-                assert torch.allclose(rest[i, t], joint / joint.sum(), atol=1e-12, rtol=0), \
-                    _differs(rest[i, t], joint / joint.sum())
+                exact = _data_hmm_rest_by_enumeration(h, tokens[i].tolist(), t, free)
+                torch.testing.assert_close(rest[i, t], exact, atol=1e-12, rtol=0,
+                                           equal_nan=True, msg=f"sentence {i}, position {t}")
+        if h.n_states == 5:
+            assert rest[5, 1:].isnan().all() and rest[6].isnan().all(), \
+                "rows whose other words are impossible must be NaN (0/0), not zero"
 
 
 @exercise("hmm_conditional")
@@ -338,6 +372,8 @@ def test_data_hmm_state_posterior_equals_brute_force():
     observed = torch.ones(4, 4, dtype=torch.bool)
     observed[2, 1] = observed[3, 3] = False
     post = data.hmm_state_posterior(h.init, h.trans, h.emit, tokens, observed)
+    assert post.shape == (4, 4, 5) and post.dtype == torch.float64, \
+        f"returns {post.dtype} {tuple(post.shape)}, not float64 (4, 4, 5)"
     for i in range(4):
         x = tokens[i].tolist()
         free = {t for t in range(4) if not observed[i, t]}
@@ -530,24 +566,22 @@ def _data_leaves(g, tokens):
 @exercise("inside")
 def test_data_inside_equals_recursion_by_hand():
     """inside(): every span's chart entry against a pure-Python inside recursion, masked words
-    included; zero outside 0 <= i < j <= L."""
+    included; zero outside 0 <= i < j <= L; in leaf's dtype and device (the meta device stands
+    in for a GPU), binary and leaf left unchanged."""
     g = _data_tiny_pcfg()
     for xs in (_DATA_SAME_LENGTH, [[1, 1, 0, 2, 2, 1]], [[2]]):
-        tokens = torch.tensor(xs)
-        chart = data.inside(g.binary, _data_leaves(g, tokens))
-        L = tokens.shape[1]
-        assert chart.shape == (len(xs), L + 1, L + 1, 3), \
-            'expected chart.shape == (len(xs), L + 1, L + 1, 3)'
-        assert chart.dtype == torch.float64, 'expected chart.dtype == torch.float64'
-        for n, x in enumerate(xs):
-            _, ins = _data_brute_inside(g, x)
-            brute = torch.zeros(L + 1, L + 1, 3, dtype=torch.float64)
-            for i in range(L):
-                for j in range(i + 1, L + 1):
-                    brute[i, j] = torch.tensor([ins(i, j, a) for a in range(3)],
-                                               dtype=torch.float64)
-            assert torch.allclose(chart[n], brute, atol=1e-14, rtol=1e-12), \
-                _differs(chart[n], brute)
+        L, brute = len(xs[0]), _data_chart_by_hand(g, xs)
+        for dtype, rtol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+            binary, leaf = g.binary.to(dtype), _data_leaves(g, torch.tensor(xs)).to(dtype)
+            before = binary.clone(), leaf.clone()
+            chart = data.inside(binary, leaf)
+            assert chart.shape == (len(xs), L + 1, L + 1, 3) and chart.dtype == dtype, \
+                f"chart {chart.dtype} {tuple(chart.shape)} from {dtype} leaves [n, {L}, 3]"
+            torch.testing.assert_close(chart.double(), brute, atol=rtol * 1e-2, rtol=rtol)
+            assert torch.equal(binary, before[0]) and torch.equal(leaf, before[1]), \
+                "inside() changed its inputs"
+    chart = _on_meta(data.inside, g.binary.to("meta"), leaf.to("meta"))    # in leaf's device
+    assert chart.device.type == "meta", f"leaves on the meta device gave {chart.device}"
 
 
 def _data_chart_by_hand(g, xs):
@@ -566,26 +600,38 @@ def _data_chart_by_hand(g, xs):
 @exercise("outside")
 def test_data_outside_equals_stand_in_subtrees():
     """outside()[i, j, a] = Pr(x_<i a x_>=j): the probability of the sentence with the span
-    [i, j) replaced by a stand-in leaf that only a generates (pure-Python inside recursion)."""
+    [i, j) replaced by a stand-in leaf that only a generates (pure-Python inside recursion); in
+    chart's dtype and device, the inputs left unchanged."""
     for g, xs in ((_data_tiny_pcfg(), _DATA_SAME_LENGTH), (_data_tiny_pcfg(), [[1, 0, 2]]),
                   (data.PCFG(**data.parse_rules(_DATA_RULES)), [[0, 2, 1, 1, 2]])):
         L, S = len(xs[0]), g.n_symbols
-        outer = data.outside(g.root, g.binary, _data_chart_by_hand(g, xs))
-        assert outer.shape == (len(xs), L + 1, L + 1, S), \
-            'expected outer.shape == (len(xs), L + 1, L + 1, S)'
+        brute = torch.zeros(len(xs), L + 1, L + 1, S, dtype=torch.float64)
         for n, x in enumerate(xs):
             for i in range(L):
                 for j in range(i + 1, L + 1):
-                    brute = [_data_brute_inside(g, x[:i] + [("sym", a)] + x[j:])[0]
-                             for a in range(S)]
-                    assert torch.allclose(outer[n, i, j], torch.tensor(brute, dtype=torch.float64),
-                                          atol=1e-14, rtol=1e-12), (n, i, j)
+                    brute[n, i, j] = torch.tensor(
+                        [_data_brute_inside(g, x[:i] + [("sym", a)] + x[j:])[0] for a in range(S)],
+                        dtype=torch.float64)
+        for dtype, rtol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+            args = (g.root.to(dtype), g.binary.to(dtype), _data_chart_by_hand(g, xs).to(dtype))
+            before = [a.clone() for a in args]
+            outer = data.outside(*args)
+            assert outer.shape == (len(xs), L + 1, L + 1, S) and outer.dtype == dtype, \
+                f"outer {outer.dtype} {tuple(outer.shape)} from a {dtype} chart"
+            for i, j in itertools.combinations(range(L + 1), 2):      # the spans 0 <= i < j <= L
+                torch.testing.assert_close(outer[:, i, j].double(), brute[:, i, j],
+                                           atol=rtol * 1e-2, rtol=rtol, msg=f"span [{i}, {j})")
+            assert all(torch.equal(a, b) for a, b in zip(args, before)), \
+                "outside() changed its inputs"
+    outer = _on_meta(data.outside, *(a.to("meta") for a in args))         # in chart's device
+    assert outer.device.type == "meta", f"a chart on the meta device gave {outer.device}"
 
 
 @exercise("pcfg_conditional")
 def test_data_pcfg_conditional_plain_equals_brute_force():
     """pcfg_conditional: Pr(x_t = w | x_-t) from one full inside probability per candidate
-    word, other masked words summed out by enumerating their fillings."""
+    word, other masked words summed out by enumerating their fillings; NaN where Pr(x_-t) = 0;
+    in the rules' dtype."""
     g = _data_tiny_pcfg()
     for xs in (_DATA_SAME_LENGTH, [[1, 1, 0, 2, 2]], [[1]]):
         cond = data.pcfg_conditional(g.root, g.binary, g.lexical, torch.tensor(xs))
@@ -597,6 +643,25 @@ def test_data_pcfg_conditional_plain_equals_brute_force():
                 ps = [_data_brute_inside(g, x[:t] + [w] + x[t + 1:])[0] for w in range(3)]
                 brute = torch.tensor(ps, dtype=torch.float64) / sum(ps)
                 assert torch.allclose(cond[n, t], brute, atol=1e-12, rtol=0), (n, t)
+    # "cat cat cat", "cat dog cat", "runs runs dog" have probability 0 under _DATA_RULES; a row
+    # is NaN where no word at t makes the sentence possible, else the conditional
+    g = data.PCFG(**data.parse_rules(_DATA_RULES))
+    xs = [[0, 0, 0], [0, 1, 0], [0, 1, 1], [2, 2, 1]]
+    cond = data.pcfg_conditional(g.root, g.binary, g.lexical, torch.tensor(xs))
+    for n, x in enumerate(xs):
+        for t in range(3):
+            ps = torch.tensor([_data_brute_inside(g, x[:t] + [w] + x[t + 1:])[0]
+                               for w in range(3)], dtype=torch.float64)
+            brute = ps / ps.sum() if ps.sum() > 0 else torch.full((3,), math.nan)
+            torch.testing.assert_close(cond[n, t], brute.double(), atol=1e-12, rtol=0,
+                                       equal_nan=True, msg=f"sentence {x}, position {t}")
+    assert cond[0].isnan().all() and cond[1, :2].isnan().all() and cond[3, 2].isnan().all(), \
+        "rows whose other words are impossible must be NaN (0/0), not zero"
+    # in the rules' dtype: float32 rules give float32
+    cond32 = data.pcfg_conditional(g.root.float(), g.binary.float(), g.lexical.float(),
+                                   torch.tensor(xs))
+    assert cond32.dtype == torch.float32, f"{cond32.dtype} from float32 rules"
+    torch.testing.assert_close(cond32.double(), cond, atol=1e-6, rtol=1e-5, equal_nan=True)
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -1219,6 +1284,46 @@ def test_model_grow_leaves_the_source_unchanged(ln):
 
 
 @exercise("grow")
+@pytest.mark.parametrize("arch", ["transformer", "lstm"])
+def test_model_grow_keeps_mode_config_and_global_rng(arch):
+    """The grown model is in the source's train/eval mode and on its device (meta here), with
+    its config save for the sizes; the source's mode and the global RNG are left as they were
+    (grow draws inside fork_rng)."""
+    sizes = ("n_heads", "n_layers", "lstm_hidden")
+    for training in (True, False):
+        small = model.build(_model_config(arch, "post", dropout=0.1)).train(training)
+        state = torch.get_rng_state()
+        big = model.grow(small, 2, 1 if arch == "transformer" else 0, seed=3)
+        assert torch.equal(torch.get_rng_state(), state), "grow() moved the global RNG"
+        assert (big.training, small.training) == (training, training), \
+            f"source in {'train' if training else 'eval'} mode: grown {big.training}, " \
+            f"source now {small.training}"
+        kept = [{k: v for k, v in dataclasses.asdict(net.config).items() if k not in sizes}
+                for net in (big, small)]
+        assert kept[0] == kept[1], f"config {kept[0]} is not the source's {kept[1]}"
+    big = _on_meta(model.grow, small.to("meta"), 2, 1 if arch == "transformer" else 0,
+                   split="random")
+    assert {p.device.type for p in big.parameters()} == {"meta"}, "not on the source's device"
+
+
+@exercise("grow")
+def test_model_grow_new_blocks_come_from_its_seed():
+    """A new block's weights other than its zeroed output projections are build()'s under
+    torch.manual_seed(seed): the same seed gives the same model, another seed another one."""
+    small = model.build(_model_config("transformer", "pre"))
+    a, b, c = (model.grow(small, 2, 1, seed=s).state_dict() for s in (4, 4, 5))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        fresh = model.build(model.ModelConfig(**{**dataclasses.asdict(small.config),
+                                                 "n_heads": 4, "n_layers": 3})).state_dict()
+    new = [k for k in fresh if k.startswith("blocks.2.") and not k.endswith("proj.weight")
+           and not k.endswith("proj.bias")]
+    assert all(torch.equal(c[k], fresh[k]) for k in new), "new blocks not build()'s at the seed"
+    assert all(torch.equal(a[k], b[k]) for k in a), "the same seed gave another model"
+    assert not all(torch.equal(a[k], c[k]) for k in new), "another seed gave the same new block"
+
+
+@exercise("grow")
 @pytest.mark.parametrize("ln", ["pre", "post"])
 def test_model_grown_blocks_get_gradient(ln):
     big = model.grow(model.build(_model_config("transformer", ln)), 2, 1)
@@ -1355,6 +1460,11 @@ def test_model_attention_equals_loops_over_heads_and_queries():
     out = model.attention(q, k, v, keep)
     assert out.shape == q.shape, 'expected out.shape == q.shape'
     torch.testing.assert_close(out, _model_attention_by_loops(q, k, v, keep), rtol=0, atol=1e-12)
+    out32 = model.attention(q.float(), k.float(), v.float(), keep)       # in q's dtype
+    assert out32.dtype == torch.float32, f"float32 inputs gave {out32.dtype}"
+    torch.testing.assert_close(out32.double(), out, rtol=0, atol=1e-5)
+    meta = _on_meta(model.attention, *(x.to("meta") for x in (q, k, v, keep)))  # q's device
+    assert meta.device.type == "meta", f"inputs on the meta device gave {meta.device}"
     # padded keys are not read: their keys and values may be anything
     k2, v2 = k.clone(), v.clone()
     k2[~keep[:, None, :, None].expand_as(k)] = 1e3
@@ -1612,6 +1722,14 @@ def test_train_adversarial_loss_equals_a_numpy_ridge_fit(n1, alpha):
     assert loss.dim() == 0, 'expected loss.dim() == 0'
     assert loss.item() == pytest.approx(expect, rel=1e-4), \
         'expected loss.item() == pytest.approx(expect, rel=1e-4)'
+    loss64 = train.adversarial_loss(feats.double(), tokens, labels, C, n1, pad,
+                                    torch.Generator().manual_seed(3), alpha=alpha)
+    assert (loss.dtype, loss64.dtype) == (torch.float32, torch.float32), \
+        f"loss_D2 in {loss.dtype}, {loss64.dtype} from float32, float64 features: not in float32"
+    assert loss64.item() == pytest.approx(expect, rel=1e-4), (loss64.item(), expect)
+    other = train.adversarial_loss(feats, tokens, labels, C, n1, pad,
+                                   torch.Generator().manual_seed(4), alpha=alpha)
+    assert other.item() != loss.item(), "another generator seed gave the same projection"
 
 
 @exercise("adversarial")
@@ -2225,10 +2343,11 @@ class _TrainSchedule:
     ("linear", 0, {0: 0.1, 4: 0.5, 9: 1.0, 10: 1.0, 55: 0.5, 99: 1 / 90}),
     ("const", 0, {0: 0.1, 9: 1.0, 10: 1.0, 50: 1.0, 99: 1.0}),
     ("const", 20, {0: 0.1, 9: 1.0, 79: 1.0, 80: 1.0, 90: 0.5, 99: 0.05}),
+    ("linear", 20, {0: 0.1, 9: 1.0, 10: 1.0, 55: 0.5, 80: 2 / 9, 90: 1 / 9, 99: 1 / 90}),  # no N
 ])
 def test_train_lr_schedule_known_values(schedule, decay, known):
-    """App. A.3's schedule at hand-computed updates, and its shape: rising during the warm-up,
-    never rising after it, positive at every update."""
+    """App. A.3's schedule at hand-computed updates (--decay-steps shortens the constant one's
+    end only), and its shape: rising during the warm-up, never rising after it, positive."""
     args = _TrainSchedule(schedule, decay)
     lrs = [train.lr_at(i, args) for i in range(100)]
     assert {i: lrs[i] for i in known} == pytest.approx(known, rel=1e-12), \
@@ -2288,7 +2407,8 @@ def test_train_mlm_loss_equals_a_loop_over_masked_positions():
     targets[0, 1], targets[1, 4], targets[2, 0], targets[2, 3] = 2, 5, 0, 3
     loss = train.mlm_loss(logits, targets, V)
     assert loss.dim() == 0, 'expected loss.dim() == 0'
-    assert loss.dtype == torch.float32, 'expected loss.dtype == torch.float32'
+    wide = (torch.float32, torch.float64)                             # float32 at least
+    assert loss.dtype in wide, f"float32 logits gave a {loss.dtype} loss"
     assert loss.item() == pytest.approx(_train_loss_by_hand(logits, targets, V), rel=1e-6), \
         'expected loss.item() == pytest.approx(_train_loss_by_hand(logits, targets, V), rel=1e-6)'
     # the special tokens' logits and the unpredicted positions play no part
@@ -2297,9 +2417,10 @@ def test_train_mlm_loss_equals_a_loop_over_masked_positions():
     other[0, 0] = other[1, 1] = -7.0
     assert train.mlm_loss(other, targets, V).item() == loss.item(), \
         'expected train.mlm_loss(other, targets, V).item() == loss.item()'
-    # bf16 logits are promoted to float32
-    assert train.mlm_loss(logits.bfloat16(), targets, V).dtype == torch.float32, \
-        'expected train.mlm_loss(logits.bfloat16(), targets, V).dtype == torch.float32'
+    # bf16 logits are promoted to float32 at least; float64 logits give float64
+    assert train.mlm_loss(logits.bfloat16(), targets, V).dtype in wide, "bf16 loss not promoted"
+    assert train.mlm_loss(logits.double(), targets, V).dtype == torch.float64, \
+        "float64 logits must give a float64 loss"
 
 
 @exercise("mlm_loss")
@@ -2398,9 +2519,15 @@ def test_train_exact_kl_on_a_hand_made_language(batch):
     q = _train_toy_q(lang, seed=0)
     net = _TrainTableModel(q).train()
     ev = train.make_eval_set(lang, 3)
+    before = {f.name: copy.deepcopy(getattr(ev, f.name)) for f in dataclasses.fields(ev)}
     got = train.evaluate(net, ev, 3, batch=batch)
     loss, ent, kl, se = _train_toy_kl_by_hand(lang, q)
     assert set(got) == {"eval_loss", "entropy", "kl", "kl_se"}, f"keys {sorted(got)}"
+    assert all(isinstance(v, float) for v in got.values()), \
+        f"returns {[type(v).__name__ for v in got.values()]}, not floats"
+    changed = [k for k, v in before.items() if not (
+        torch.equal(v, getattr(ev, k)) if torch.is_tensor(v) else v == getattr(ev, k))]
+    assert not changed, f"evaluate changed the eval set's {changed}"
     for key, want, rel in (("eval_loss", loss, 1e-6), ("entropy", ent, 1e-12), ("kl", kl, 1e-5),
                            ("kl_se", se, 1e-5)):
         assert got[key] == pytest.approx(want, rel=rel), \
@@ -2927,12 +3054,17 @@ def test_hessian_trace_is_unbiased_for_the_exact_fisher_trace(lstm):
 @exercise("trace_hessian")
 def test_hessian_trace_of_a_uniform_softmax_is_known():
     """logits = b1 + b2 = 0: every ‖∇ log p_y‖² = 2 ‖e_y - 1/V‖² = 2 (1 - 1/V), so every
-    repetition, hence the mean, is 1.6 for V = 5 and the std is 0."""
-    net = _HessianBiasOnly([0.0] * 5, [0.0] * 5)
+    repetition, hence the mean, is 1.6 for V = 5 and the std is 0; floats, the model (in
+    training mode here) left as it was."""
+    net = _HessianBiasOnly([0.0] * 5, [0.0] * 5).train()
     inputs, _, positions = _hessian_masked(n=3)
     mean, std = hessian.trace_hessian(net, inputs, positions, n_samples=3, n_repeats=4)
     assert mean == pytest.approx(1.6, abs=1e-6), 'expected mean == pytest.approx(1.6, abs=1e-6)'
     assert std < 1e-6, 'expected std < 1e-6'
+    assert isinstance(mean, float) and isinstance(std, float), \
+        f"returns {type(mean).__name__}, {type(std).__name__}, not floats"
+    assert net.training, "the model must be left in the mode it came in (here: training)"
+    assert net.b1.tolist() == net.b2.tolist() == [0.0] * 5, "the model's parameters changed"
 
 
 @exercise("trace_hessian")
@@ -3136,9 +3268,13 @@ def test_hessian_noise_covariance_by_enumeration():
     w = (pi[:, None] * p_true).reshape(-1)
     centred = grads - w @ grads
     expect = centred.T @ (w[:, None] * centred)
+    before = theta.clone()
     got = hessian.gradient_covariance(theta, *shapes, pi, p_true)
-    assert got.shape == (27, 27), 'expected got.shape == (27, 27)'
+    assert got.shape == (27, 27) and got.dtype == torch.float64, \
+        f"returns {got.dtype} {tuple(got.shape)}, not θ's float64 (27, 27)"
     assert torch.allclose(got, expect, atol=1e-12), _differs(got, expect)
+    assert torch.allclose(got, got.T, atol=1e-14, rtol=0), "Σ is not symmetric"
+    assert torch.equal(theta, before), "θ was modified"
 
 
 @exercise("noise_covariance")
@@ -3318,9 +3454,11 @@ def test_probe_linear_probe_is_fixed_by_its_seed():
 
 
 def _probe_reference(x_train, y_train, x_test, n_classes, seed, proj_dim, epochs,
-                     own_test_statistics=False, double_softmax=False):
-    """linear_probe's docstring written out independently -> test predictions; the two flags
-    make two plausible mistakes, so the data can be shown to tell them apart."""
+                     lr=probe.LINEAR_LR, batch_size=probe.LINEAR_BATCH, own_test_statistics=False,
+                     double_softmax=False, adam=False, no_bias=False):
+    """linear_probe's docstring written out independently -> test predictions; the flags make
+    plausible mistakes (adam: torch.optim.Adam with the weight decay added to the gradient), so
+    the data can be shown to tell them apart."""
     g = torch.Generator().manual_seed(seed)
     if proj_dim is not None:
         R = torch.randn(x_train.shape[1], proj_dim, generator=g) / math.sqrt(proj_dim)
@@ -3332,10 +3470,14 @@ def _probe_reference(x_train, y_train, x_test, n_classes, seed, proj_dim, epochs
     with torch.no_grad():
         head.weight.copy_(torch.rand(n_classes, x_train.shape[1], generator=g) * 2 * bound - bound)
         head.bias.copy_(torch.rand(n_classes, generator=g) * 2 * bound - bound)
-    opt = torch.optim.AdamW(head.parameters(), lr=probe.LINEAR_LR, weight_decay=probe.WEIGHT_DECAY)
+        if no_bias:
+            head.bias.zero_()
+    params = [head.weight] if no_bias else list(head.parameters())
+    opt = (torch.optim.Adam if adam else torch.optim.AdamW)(params, lr=lr,
+                                                            weight_decay=probe.WEIGHT_DECAY)
     for _ in range(epochs):
         order = torch.randperm(len(x_train), generator=g)
-        for batch in order.split(probe.LINEAR_BATCH):
+        for batch in order.split(batch_size):
             logits = head(x_train[batch])
             logits = logits.softmax(1) if double_softmax else logits
             opt.zero_grad()
@@ -3378,6 +3520,30 @@ def test_probe_linear_probe_follows_its_specification(proj_dim, kind, mistake):
     assert agree > 0.99, (f"right/wrong agrees with the specification on {agree:.1%} of the "
                           f"test points only (the training split's statistics for both splits? "
                           f"one softmax? the draws in the docstring's order?)")
+
+
+@exercise("linear_probe")
+@pytest.mark.parametrize("proj_dim", [16, None])
+def test_probe_linear_probe_is_adamw_on_a_head_with_a_bias(proj_dim):
+    """Four overlapping classes of frequencies 50, 30, 15 and 5 %: the bias decides many test
+    points; lr 1 over 130 steps makes AdamW's decoupled weight decay (lr · WEIGHT_DECAY, 1 % a
+    step) decide others. The probe agrees with its docstring's computation on nearly every
+    point; a head without a bias, or Adam (weight decay in the gradient), far from it."""
+    g = torch.Generator().manual_seed(0)
+    y = torch.multinomial(torch.tensor([0.5, 0.3, 0.15, 0.05]), 1200, replacement=True,
+                          generator=g)
+    x = torch.randn(4, 8, generator=g)[y] + 1.5 * torch.randn(1200, 8, generator=g)
+    x_train, y_train, x_test, y_test = x[800:], y[800:], x[:800], y[:800]
+    kw = dict(epochs=10, lr=1.0, batch_size=32)
+    right = _probe_reference(x_train, y_train, x_test, 4, 3, proj_dim, **kw).eq(y_test)
+    for mistake in ("no_bias", "adam"):
+        wrong = _probe_reference(x_train, y_train, x_test, 4, 3, proj_dim, **kw, **{mistake: True})
+        assert wrong.eq(y_test).eq(right).float().mean() < 0.96, f"the data cannot tell {mistake}"
+    correct = probe.linear_probe(x_train, y_train, x_test, y_test, 4, seed=3, proj_dim=proj_dim,
+                                 **kw)
+    agree = correct.eq(right).float().mean().item()
+    assert agree > 0.99, (f"right/wrong agrees with the specification on {agree:.1%} of the "
+                          f"test points only (a bias? AdamW, its weight decay decoupled?)")
 
 
 def test_probe_projection_is_seeded_and_n_0_1_over_512():
@@ -3472,17 +3638,26 @@ def test_probe_partial_r2_equals_extra_sum_of_squares():
 @exercise("partial_r2")
 def test_probe_partial_r2_known_cases():
     """y exactly linear in z and x (x not a function of z): x explains all that z leaves, r² = 1
-    with x's sign; x a linear function of z plus noise independent of y's: r² near 0."""
+    with x's sign, floats; x a linear function of z plus noise independent of y's: r² near 0; a
+    constant residual: (nan, nan)."""
     z = np.array([0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
     x = np.array([1.0, -1.0, 0.5, 2.0, -0.5, 0.0])
     assert probe.partial_r2(3 * z - 2 * x + 1, x, z) == pytest.approx((1.0, -1.0)), \
         'expected probe.partial_r2(3 * z - 2 * x + 1, x, z) == pytest.approx((1.0, -1.0))'
     assert probe.partial_r2(-z + 0.5 * x, x, z) == pytest.approx((1.0, 1.0)), \
         'expected probe.partial_r2(-z + 0.5 * x, x, z) == pytest.approx((1.0, 1.0))'
+    r2, sign = probe.partial_r2(3 * z - 2 * x + 1, x, z)
+    assert isinstance(r2, float) and isinstance(sign, float), \
+        f"returns {type(r2).__name__}, {type(sign).__name__}, not floats"
     rng = np.random.default_rng(5)
     z = rng.normal(size=2000)
     r2, _ = probe.partial_r2(z + rng.normal(size=2000), 2 * z + rng.normal(size=2000), z)
     assert r2 < 0.01, 'expected r2 < 0.01'
+    # every checkpoint at one KL: y (or x) constant leaves a constant residual
+    z, x = np.full(6, 0.5), np.array([1.0, -1.0, 0.5, 2.0, -0.5, 0.0])
+    for y_x in ((np.full(6, 0.7), x), (x, np.full(6, 0.7))):
+        got = probe.partial_r2(*y_x, z)
+        assert all(math.isnan(v) for v in got), f"{got} for a constant residual, not (nan, nan)"
 
 
 def _probe_paired_counts(k=1, seed=2):
@@ -3514,9 +3689,14 @@ def test_probe_paired_difference_matches_numpy():
 
 @exercise("paired_difference")
 def test_probe_paired_difference_across_training_seeds():
-    """The mean over runs and its se, by the statistics module; one run: no se across runs."""
+    """The mean over runs and its se, by the statistics module; lists of floats and floats; one
+    run: no se across runs."""
     _, _, seeds, a, b = _probe_paired_counts(k=4, seed=7)
-    diffs, _, mean, se_mean = probe.paired_difference(a, b, seeds)
+    diffs, ses, mean, se_mean = probe.paired_difference(a, b, seeds)
+    assert isinstance(diffs, list) and isinstance(ses, list) and len(diffs) == len(ses) == 4, \
+        f"diffs, ses are {type(diffs).__name__}, {type(ses).__name__}: not lists of 4 floats"
+    assert all(isinstance(v, float) for v in [*diffs, *ses, mean, se_mean]), \
+        f"not floats: {[type(v).__name__ for v in [*diffs, *ses, mean, se_mean]]}"
     assert mean == pytest.approx(statistics.fmean(diffs), abs=1e-12), \
         'expected mean == pytest.approx(statistics.fmean(diffs), abs=1e-12)'
     assert se_mean == pytest.approx(statistics.stdev(diffs) / 2, rel=1e-9), \
@@ -4125,6 +4305,8 @@ def test_dyck_support_brute_force():
 # ----------------------------------------------------------------- exercise: transferable (Sec. 5)
 @exercise("transferable")
 def test_dyck_transferable_interpolates_every_support_point():
+    """Solution (1) as its docstring builds it (Q = K = 0; neurons 1 and 2 at ±c [1_T; 0_T]
+    and ±b, the others 0), float64: f = y on every support point."""
     for T in (6, 8):
         X, y = _dyck_support(T)
         for m in (2, 3, 7):
@@ -4134,6 +4316,12 @@ def test_dyck_transferable_interpolates_every_support_point():
                 'expected {k: tuple(v.shape) for k, v in p.items()} == { "Q": (2 * T, 2 * T), "K...'
             assert all(v.dtype == torch.float64 for v in p.values()), \
                 'expected all(v.dtype == torch.float64 for v in p.values())'
+            # the docstring's solution: b c = m T and c / T = b / sqrt(T), neurons 1 and 2 only
+            b = math.sqrt(m * math.sqrt(T))
+            V, u = torch.zeros(m, 2 * T, dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
+            V[0, :T], V[1, :T], u[0], u[1] = b * math.sqrt(T), -b * math.sqrt(T), b, -b
+            for key, want in (("Q", 0 * p["Q"]), ("K", 0 * p["K"]), ("V", V), ("u", u)):
+                torch.testing.assert_close(p[key], want, rtol=1e-12, atol=0, msg=key)
             f = dyck_theory.model_output(p, X)
             assert (f - y).abs().max().item() < 1e-12, 'expected (f - y).abs().max().item() < 1e-12'
 
@@ -4234,6 +4422,8 @@ def test_dyck_trace_identity_equals_the_hessian_at_zero_loss():
     diag = _dyck_full_hessian_diagonal(z, X, y)
     assert set(ident) == {"Q", "K", "V", "u", "total"}, \
         'expected set(ident) == {"Q", "K", "V", "u", "total"}'
+    assert all(isinstance(v, float) for v in ident.values()), \
+        f"returns {[type(v).__name__ for v in ident.values()]}, not floats"
     for k in ("Q", "K", "V", "u", "total"):
         assert abs(ident[k] - diag[k]) <= 1e-9 * diag["total"], \
             'expected abs(ident[k] - diag[k]) <= 1e-9 * diag["total"]'

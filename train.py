@@ -85,7 +85,7 @@ def mlm_loss(logits, targets, V):
     cross-entropy -log q(x_t | x_-t), where q = softmax of the logits over the V words only (the
     special tokens, ids >= V, are never predicted). logits: [B, T, V + data.N_SPECIAL]; targets:
     [B, T], the true word where predicted, else -100. Returns a scalar in float32 at least (bf16
-    logits are promoted)."""
+    logits are promoted; float64 logits give float64)."""
     # BEGIN EXERCISE mlm_loss
     keep = targets != -100                                           # the predicted positions
     logits = logits[keep][:, :V]                                     # (n, V)
@@ -184,7 +184,8 @@ def lr_at(i, args):
     """Learning rate of update i = 0, 1, ..., n - 1 (App. A.3; App. B.3 for SGD), with peak
     args.lr, w = args.warmup_steps, n = args.steps, N = args.decay_steps:
       the warm-up rises linearly: lr * (i + 1) / w for i < w; then
-      args.schedule "linear" falls linearly to 0 at update n: lr * (n - i) / max(1, n - w), or
+      args.schedule "linear" falls linearly to 0 at update n: lr * (n - i) / max(1, n - w),
+          whatever N (it decays already), or
       args.schedule "const" stays at lr, except that its last N updates (if N > 0) fall linearly:
           lr * (n - i) / N for i >= n - N (warmup-stable-decay: the decay branches of README E1)."""
     # BEGIN EXERCISE lr_schedule
