@@ -225,7 +225,8 @@ class HMM:
         return self._posterior(hmm_state_posterior, tokens, lengths)[0]
 
     def _posterior(self, posterior, tokens, lengths):
-        """(posterior(...) given the words neither masked nor past the length, valid [n, T])."""
+        """(posterior(...) given the words neither masked nor past the length, valid [n, T]);
+        a sentence with a NaN row (its other words impossible there) is a ValueError."""
         tokens, lengths, valid = _check_sentences("HMM", tokens, lengths, self.vocab_size)
         observed = valid & (tokens != mask_id(self.vocab_size))
         p = posterior(self.init, self.trans, self.emit, torch.where(observed, tokens, 0), observed)
