@@ -58,7 +58,8 @@ def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0):
     With z the logits at the masked position, p = softmax(z) over the V words, J = ∂z/∂θ:
         ∇²L = E[Jᵀ (diag p - p pᵀ) J] + E[Σ_w (p_w - 1{x_t = w}) ∇²z_w].
     At saturation (p = the true conditional) the second term vanishes, and ∇_θ log p_ỹ =
-    Jᵀ(e_ỹ - p) turns the first term's trace into an expectation over ỹ ~ p itself:
+    Jᵀ(e_ỹ - p) turns the first term's trace, Tr[G] with G = E[Jᵀ (diag p - p pᵀ) J] the
+    Fisher (Gauss-Newton) matrix, into an expectation over ỹ ~ p itself:
         Tr[∇²L] ≈ Tr[G] = mean over sentences of E_{ỹ ~ p_θ(·|x_-t)} ‖∇_θ log p_θ(ỹ | x_-t)‖².
     inputs [N, T] masked sentences, positions [N] their masked positions; p_θ from model_probs,
     the squared norms from sq_grad_norms(model, inputs, positions, labels) -> float64 [K].
