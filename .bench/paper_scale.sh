@@ -6,6 +6,9 @@
 # paper's Fig. 1 protocol (later checkpoints of one linear-decay run against earlier ones).
 # A GPU job: all runs at once on one device, then hessian.py and probe.py; the rows are packed
 # into $OUT/rows.tar.gz. Summarise with probe.py --summary (.bench/RESULTS.md has the commands).
+# TRAIN_LIMIT (s, default 330: one 10-minute device call) stops training where it stands: on one
+# H200 the 21 runs at once make ~15 steps/s each, so STEPS=10000 ends near step 4500 (the rows
+# say the step); STEPS=3000 SEEDS="0 1" E1_SEEDS=" " finishes in about 3.5 minutes.
 #   DEVICE=cuda STEPS=10000 OUT=out bash .bench/paper_scale.sh
 set -u
 DEVICE=${DEVICE:-cuda} STEPS=${STEPS:-10000} EVERY=${EVERY:-1000} RUNS=${RUNS:-runs-ps}
