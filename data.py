@@ -243,15 +243,11 @@ class HMM:
         self._task_position(task)
         return self.n_states
 
-    def task_data(self, task, n, seed=0, label="posterior"):
+    def task_data(self, task, n, seed=0):
         """(tokens, lengths, labels [n]) for task-k on the sentences of sentences(n, seed): the
-        Bayes label argmax_h Pr(h_k = h | x), or with label="sampled" the state drawn there."""
+        Bayes label argmax_h Pr(h_k = h | x)."""
         t = self._task_position(task)
-        if label not in ("posterior", "sampled"):
-            raise ValueError(f"HMM: label must be 'posterior' or 'sampled'; got {label!r}")
-        tokens, lengths, states = self.sample(n, seed=seed)
-        if label == "sampled":
-            return tokens, lengths, states[:, t].clone()
+        tokens, lengths = self.sentences(n, seed=seed)
         return tokens, lengths, self.state_posterior(tokens)[:, t].argmax(-1)
 
     def _task_position(self, task):
@@ -448,17 +444,6 @@ class PCFG:
         """(tokens [n, max_len], lengths [n]) of n sentences (sample)."""
         return self.sample(n, seed=seed)
 
-    def log_prob(self, tokens, lengths):
-        """log Pr(x) [n] float64 = log Σ_A root[A] chart[0, L, A] (inside())."""
-        tokens, lengths = self._checked(tokens, lengths)
-        if self._fast():
-            return self._io.log_prob(tokens, lengths)
-        out = torch.empty(len(lengths), dtype=torch.float64)
-        for rows, L in self._by_length(lengths):
-            chart = inside(self.binary, pcfg_leaves(self.lexical, tokens[rows, :L]))
-            out[rows] = (chart[:, 0, L] @ self.root).log()
-        return out
-
     def mlm_conditional(self, tokens, lengths):
         """Exact Pr(x_t = w | x_-t) [n, T, V] float64 (pcfg_conditional) for any lengths; zero
         at t >= length; mask_id words are summed out."""
@@ -532,13 +517,14 @@ class PCFG:
         toks, lens, labs, got, tried, rnd = [], [], [], 0, 0, 0
         while got < n:
             rate = 1.0 if not tried else max(got / tried, 0.05) if got else 1e-3   # kept so far
-            m = min(int(1.1 * (n - got) / rate) + 16, 22 * n + 10_000)
+            cap = 22 * n + 10_000 if got else 2_000       # none kept yet: refused in seconds
+            m = min(int(1.1 * (n - got) / rate) + 16, cap)
             t, l = self.sentences(m, seed=((seed + 1) * 1000003 + rnd) % 2 ** 63)  # 63 bits
             post = self.task_posterior(task, t, l)
             ok = post.sum(1) > 1e-12
             toks.append(t[ok]), lens.append(l[ok]), labs.append(post[ok].argmax(1))
             got, tried, rnd = got + int(ok.sum()), tried + len(l), rnd + 1
-            if got < n and tried >= 10_000 and 1000 * got < tried:   # never, or almost never
+            if got < n and tried >= 2_000 and 1000 * got < tried:    # never, or almost never
                 raise ValueError(f"task {task!r}: only {got} of {tried:,} sentences have its "
                                  f"span as one constituent; it cannot give {n} examples")
         return torch.cat(toks)[:n], torch.cat(lens)[:n], torch.cat(labs)[:n]
@@ -594,13 +580,9 @@ def language_from_spec(spec):
         raise ValueError(f"unknown language kind {kind!r}; expected one of ['hmm', 'pcfg']")
     try:
         if kind == "hmm":
-            S, V = len(spec["init"]), len(spec["emit"][0]) if spec["emit"] else 0
             _check_count(spec["length"], "length")
-            check_size(8 * (3 * S * S + 4 * S * V), f"the hmm spec's {S} states x {V} words")
             return HMM(spec["init"], spec["trans"], spec["emit"], length=spec["length"])
         S, V, _ = (_check_count(spec[k], k) for k in ("n_symbols", "vocab_size", "max_len"))
-        check_size(8 * 6 * S * (S * S + V), f"the pcfg spec's {S} symbols (a {S} x {S} x {S} "
-                   f"rule table)")
         binary, lexical = (torch.zeros(shape, dtype=torch.float64) for shape in ((S, S, S), (S, V)))
         for table, rules in ((binary, spec["binary_rules"]), (lexical, spec["lexical_rules"])):
             for rule in rules:
@@ -1041,13 +1023,6 @@ class _InsideOutside:
             top = torch.stack([inside[0][l][r, 0, :-1] for r, l in enumerate(L.tolist())])
             yield idx, L, c.log(), top, inside[0], self.outside(inside, L) if outside else None
 
-    def log_prob(self, tokens, lengths):
-        out = torch.empty(len(lengths), dtype=torch.float64)
-        for idx, L, logc, top, _, _ in self.batches(tokens, lengths, outside=False):
-            out[idx] = ((top @ self.root).log() + logc.sum(1)
-                        - (L - 1).double() * math.log(self.rule_scale))
-        return out
-
     def conditional(self, tokens, lengths):
         n, T = tokens.shape
         out = torch.zeros(n, T, self.lexical.shape[1], dtype=torch.float64)
@@ -1118,22 +1093,6 @@ def float_flag(lo=None, hi=None, open_lo=False):
     return number
 
 
-def memory_bytes():
-    """This machine's physical memory in bytes (a large number where it cannot be read)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return 2 ** 50
-
-
-def check_size(n_bytes, what):
-    """Raise ValueError before allocating `n_bytes` for `what` (naming its flag or file) when
-    they exceed this machine's memory: a one-line message, not an out-of-memory kill."""
-    if n_bytes > memory_bytes():
-        raise ValueError(f"{what} needs about {n_bytes / 2 ** 30:,.1f} GiB, more than this "
-                         f"machine's {memory_bytes() / 2 ** 30:,.0f} GiB of memory")
-
-
 def write_whole(path, write, mode="wb"):
     """Write a file whole or not at all: write(f) into path + ".tmp", then rename it over
     `path`; on any failure (a full disk, a file-size limit, Ctrl-C) the temporary file is
@@ -1166,6 +1125,51 @@ def append_line(path, line):
             if isinstance(e, OSError) and e.errno is not None:
                 raise OSError(e.errno, e.strerror, str(path)) from None
             raise
+
+
+def save_whole(path, obj):
+    """torch.save(obj) to `path` whole or not at all (write_whole); serialised in memory first,
+    as torch.save would hide a failed write in a RuntimeError."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    write_whole(path, lambda f: f.write(buffer.getbuffer()))
+
+
+def threads_flag(parser):
+    """Every script's --threads: torch threads per process (one: two jobs share two cores)."""
+    parser.add_argument("--threads", type=int_flag(1), default=1,
+                        help="torch threads per process (default 1)")
+
+
+def first_line(e):
+    """The first line of an exception's message, whole: one-line errors."""
+    return str(e).splitlines()[0] if str(e) else ""
+
+
+def command(script, body, sizes, saved):
+    """Run body() as `script`'s command line, every way it can fail ending in one line: a bad
+    input (ValueError, FileNotFoundError), a failed write (OSError), a failed allocation (lower
+    the flags `sizes`), Ctrl-C or SIGTERM. saved() says what is saved and how to go on: every
+    file is written whole (write_whole, append_line), so none is left half-written."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)        # SIGTERM as Ctrl-C
+    try:
+        return body()
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)                 # a second Ctrl-C: quiet
+        sys.exit(f"{script}: interrupted; {saved()}")
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"{script}: error: {first_line(e)}")
+    except MemoryError as e:
+        sys.exit(f"{script}: cannot allocate memory ({first_line(e) or 'MemoryError'}): lower "
+                 f"{sizes}; {saved()}")
+    except RuntimeError as e:
+        if "alloc" not in str(e):                                    # not a memory error: a bug
+            raise
+        sys.exit(f"{script}: cannot allocate memory ({first_line(e)[-80:]}): lower {sizes}; "
+                 f"{saved()}")
+    except OSError as e:              # a full disk, a file-size limit, a folder refusing writes
+        sys.exit(f"{script}: could not write {e.filename or 'a file'}: {e.strerror or e} (no "
+                 f"file is left half-written); {saved()}")
 
 
 def unwritable(path, flag, folder=False):
@@ -1210,24 +1214,21 @@ def _parser():
     a("--rules", help="pcfg only: the grammar of this rule file (parse_rules)")
     a("--conditionals", action="store_true",
       help="also store the exact conditionals Pr(x_t | x_-t) [n, T, V] (large)")
+    threads_flag(p)
     return p
 
 
 def main(argv=None):
     """Command line (App. A.1): sample one language's sentences, task labels and spec."""
-    signal.signal(signal.SIGTERM, signal.default_int_handler)        # SIGTERM as Ctrl-C
-    try:
-        sample_to_file(argv)
-    except KeyboardInterrupt:
-        sys.exit("data.py: interrupted; nothing written (--out is written whole at the end); "
-                 "run the same command again")
+    command("data.py", lambda: sample_to_file(argv), "--n",
+            lambda: "nothing written (--out is written whole at the end); run it again")
 
 
 def sample_to_file(argv=None):
-    """main() without its interrupt handling."""
+    """main() without its one-line exits."""
     p = _parser()
     args = p.parse_args(argv)
-    torch.set_num_threads(1)  # one thread per process: two jobs on two cores do not collide
+    torch.set_num_threads(args.threads)
     bad = unwritable(args.out, "--out") or _not_data_file(args.out)
     if bad:  # before any sampling: a bad --out would otherwise fail after minutes of work
         p.error(bad)
@@ -1251,13 +1252,8 @@ def sample_to_file(argv=None):
                                          for i in range(0, args.n, 500)])
     h, se = mlm_entropy(lang, n=min(args.n, 1000), seed=args.seed + 2)
     print(f"optimal MLM loss (entropy): {h:.4f} +- {se:.4f} nats")
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        buffer = io.BytesIO()             # torch.save would hide a failed write in a RuntimeError
-        torch.save(out, buffer)
-        write_whole(args.out, lambda f: f.write(buffer.getbuffer()))
-    except OSError as e:
-        sys.exit(f"data.py: could not write --out {args.out} (nothing written): {e.strerror or e}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    save_whole(args.out, out)
     print(f"wrote {args.out}")
 
 

@@ -20,7 +20,6 @@ import argparse
 import itertools
 import json
 import math
-import os
 import sys
 import time
 
@@ -361,22 +360,6 @@ def failure_probability_exact(T, n):
     return 2 * (1 - p) ** n - q ** n
 
 
-# ========== plumbing: the claims, the command line ==========
-def check_args(T, m, n, seed=0, threads=1):
-    """Raise one ValueError naming every argument outside Thm 5.1's setting (T even >= 6, m >= 2
-    or None for the default, n >= 1) or the command line's (seed, threads)."""
-    bad = [f"--{k} must be >= {lo} ({why}), got {v}" for k, v, lo, why in (
-        ("m", m, 2, "solution (1) needs two neurons"), ("n", n, 1, "downstream samples"),
-        ("threads", threads, 1, "torch CPU threads")) if v is not None and v < lo]
-    if T < 6 or T % 2:
-        bad.insert(0, f"--T must be even and >= 6 (Thm 5.1 assumes T >= 6; sentences need T/2 "
-                      f"of each bracket), got {T}")
-    if not 0 <= seed < 2**32:
-        bad.append(f"--seed must be in 0..{2**32 - 1}, got {seed}")
-    if bad:
-        raise ValueError("; ".join(bad))
-
-
 def trace_closed_form(params, X):
     """`grad_norm_trace` in closed form, differentiable in params, for the search (a test holds
     the two equal): per input, ||grad_B f||^2 for each block from gamma = df/dh = V^T(u*D)/m and
@@ -396,6 +379,22 @@ def trace_closed_form(params, X):
     sq_Q = ((Xg @ K.T) ** 2).sum(1) * (X[:, 0] ** 2).sum(1)
     sq_K = ((X[:, 0] @ Q.T) ** 2).sum(1) * (Xg ** 2).sum(1)
     return 2 * (sq_u + sq_V + sq_Q + sq_K).mean()
+
+
+# ========== plumbing: the claims, the command line ==========
+def check_args(T, m, n, seed=0, threads=1):
+    """Raise one ValueError naming every argument outside Thm 5.1's setting (T even >= 6, m >= 2
+    or None for the default, n >= 1) or the command line's (seed, threads)."""
+    bad = [f"--{k} must be >= {lo} ({why}), got {v}" for k, v, lo, why in (
+        ("m", m, 2, "solution (1) needs two neurons"), ("n", n, 1, "downstream samples"),
+        ("threads", threads, 1, "torch CPU threads")) if v is not None and v < lo]
+    if T < 6 or T % 2:
+        bad.insert(0, f"--T must be even and >= 6 (Thm 5.1 assumes T >= 6; sentences need T/2 "
+                      f"of each bracket), got {T}")
+    if not 0 <= seed < 2**32:
+        bad.append(f"--seed must be in 0..{2**32 - 1}, got {seed}")
+    if bad:
+        raise ValueError("; ".join(bad))
 
 
 def run_checks(T, m, n, seed, log=print):
@@ -552,17 +551,15 @@ def main(argv=None):
         parser.error(f"--m must be given at T={args.T}: its default (random features that "
                      f"interpolate the support) would be {m}; below "
                      f"{rf_min_width(args.T)} random features cannot reach zero loss")
-    support = min(math.comb(args.T, args.T // 2) * args.T * 2, SAMPLED_SUPPORT)
-    need = 8 * 2 * m * (support + 2 ** min(args.T, ENUM_MAX_T) + 4 * args.T)  # features, grads
-    try:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        have = 2 ** 50
-    if need > have:
-        parser.error(f"--m {m} at --T {args.T} needs about {need / 2 ** 30:,.1f} GiB, more than "
-                     f"this machine's {have / 2 ** 30:,.0f} GiB of memory")
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else print
-    result, claims, seconds = run_checks(args.T, m, args.n, args.seed, log=log)
+    try:                                   # it writes no file: an interrupt loses nothing saved
+        result, claims, seconds = run_checks(args.T, m, args.n, args.seed, log=log)
+    except KeyboardInterrupt:
+        sys.exit("dyck_theory.py: interrupted (it writes no file); run it again")
+    except (MemoryError, RuntimeError) as e:
+        if "alloc" not in str(e) and not isinstance(e, MemoryError):
+            raise
+        sys.exit(f"dyck_theory.py: cannot allocate memory for --m {m} at --T {args.T}: lower them")
     if args.json:
         return print(json.dumps(result))
     print()

@@ -598,7 +598,7 @@ def parse_args(argv=None):
       help="also report Tr[∇²L] - Tr[G] against the true conditional with this many "
            "Rademacher probes (fisher_gap); 0 = off")
     a("--device", type=train.device_flag, default="cpu", help="cpu (default) or cuda")
-    a("--threads", type=train.COUNT, default=1, help="torch CPU threads (default 1)")
+    data.threads_flag(p)
     a("--sgd-demo", action="store_true", help="run Theorem 3.3's demonstration instead")
     args = p.parse_args(argv)
     for key, value in (PAPER_SETTINGS if args.paper else CPU_SETTINGS).items():
@@ -615,7 +615,14 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    written = []                                   # the checkpoints whose rows are saved
+    data.command("hessian.py", lambda: measure(parse_args(argv), written),
+                 "--sentences, --samples or --hvp-sentences", lambda: train.measured_so_far(
+                     written, "measured", "hessian.jsonl"))
+
+
+def measure(args, written):
+    """main() without its one-line exits: the SGD demonstration, or a row per checkpoint."""
     torch.set_num_threads(args.threads)
     if args.sgd_demo:
         A, B, pi = softmax_teacher()
@@ -640,9 +647,8 @@ def main(argv=None):
 
     def settings_of(path):                         # the whole file is loaded: a damaged one stops
         return {"step": train.load_checkpoint(path)[1]["step"], **settings}
-    with train.measuring_rows("hessian.py", "hessian.jsonl", "measured") as written:
-        train.measure_checkpoints(args.checkpoints, "hessian.jsonl", settings_of,
-                                  lambda path: measure_checkpoint(path, args), written)
+    train.measure_checkpoints(args.checkpoints, "hessian.jsonl", settings_of,
+                              lambda path: measure_checkpoint(path, args), written)
 
 
 if __name__ == "__main__":

@@ -720,7 +720,7 @@ def parse_args(argv=None):
     a("--epochs", type=train.COUNT,
       help=f"default {LINEAR_EPOCHS} (linear), {FT_EPOCHS} (fine-tuning)")
     a("--device", type=train.device_flag, default="cpu", help="cpu (default) or cuda")
-    a("--threads", type=train.COUNT, default=1, help="torch CPU threads (default 1)")
+    data.threads_flag(p)
     args = p.parse_args(argv)
     bad = [m for flag, path in (("--csv", args.csv), ("--plot", args.plot))
             for m in [path and data.unwritable(path, flag)] if m]
@@ -739,36 +739,42 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    written = []                                   # the checkpoints whose rows are saved
+    data.command("probe.py", lambda: measure(parse_args(argv), written),
+                 "--n-train, --n-test or --seeds", lambda: train.measured_so_far(
+                     written, "probed", "probe.jsonl"))
+
+
+def measure(args, written):
+    """main() without its one-line exits: the summary, or a row per checkpoint."""
     torch.set_num_threads(args.threads)
-    with train.measuring_rows("probe.py", "probe.jsonl", "probed") as written:
-        if args.to_measure:
-            table = summary_table(args.paths, args.min_step, every=True)[1]
-            paths = [p for a, b in args.compare for p in to_measure(table, a, b)]
-            print("\n".join(dict.fromkeys(paths)))
-            return
-        if args.summary:
-            columns, table = summary_table(args.paths, args.min_step)
-            pairs = print_summary(columns, table, args.csv, args.compare)
-            if args.plot:
-                plot_summary(table, args.plot, pairs)
-            return
-        def settings_of(path):
-            ckpt = train.read_checkpoint(path)
-            task, _ = checked_task(path, ckpt, data.language_from_spec(ckpt["language"]),
-                                   args.task, args.method)
-            return {"step": int(ckpt["step"]), "task": str(task), "method": args.method,
-                    "n_train": args.n_train, "n_test": args.n_test,
-                    "seeds": list(range(args.seeds)), "epochs": args.epochs or (
-                        FT_EPOCHS if args.method == "finetune" else LINEAR_EPOCHS),
-                    "projection": None if args.no_projection or args.method == "finetune"
-                    else PROJ_DIM}
-        cache = {}
-        train.measure_checkpoints(
-            args.paths, "probe.jsonl", settings_of, lambda path: probe_checkpoint(
-                path, args.task, args.method, args.n_train, args.n_test, args.seeds,
-                None if args.no_projection else PROJ_DIM, args.epochs, args.device, cache),
-            written, shown=lambda row: {k: v for k, v in row.items() if k != "n_correct"})
+    if args.to_measure:
+        table = summary_table(args.paths, args.min_step, every=True)[1]
+        paths = [p for a, b in args.compare for p in to_measure(table, a, b)]
+        print("\n".join(dict.fromkeys(paths)))
+        return
+    if args.summary:
+        columns, table = summary_table(args.paths, args.min_step)
+        pairs = print_summary(columns, table, args.csv, args.compare)
+        if args.plot:
+            plot_summary(table, args.plot, pairs)
+        return
+    def settings_of(path):
+        ckpt = train.read_checkpoint(path)
+        task, _ = checked_task(path, ckpt, data.language_from_spec(ckpt["language"]),
+                               args.task, args.method)
+        return {"step": int(ckpt["step"]), "task": str(task), "method": args.method,
+                "n_train": args.n_train, "n_test": args.n_test,
+                "seeds": list(range(args.seeds)), "epochs": args.epochs or (
+                    FT_EPOCHS if args.method == "finetune" else LINEAR_EPOCHS),
+                "projection": None if args.no_projection or args.method == "finetune"
+                else PROJ_DIM}
+    cache = {}
+    train.measure_checkpoints(
+        args.paths, "probe.jsonl", settings_of, lambda path: probe_checkpoint(
+            path, args.task, args.method, args.n_train, args.n_test, args.seeds,
+            None if args.no_projection else PROJ_DIM, args.epochs, args.device, cache),
+        written, shown=lambda row: {k: v for k, v in row.items() if k != "n_correct"})
 
 
 if __name__ == "__main__":

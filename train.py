@@ -25,8 +25,6 @@ line, checks, run folders, checkpoints, resume and branch).
 import argparse
 import contextlib
 import dataclasses
-import hashlib
-import io
 import json
 import math
 import os
@@ -148,7 +146,7 @@ def training_objective(objective, inputs, targets, V, args, task_tokens=None, ta
     loss = mlm_loss(logits, targets, V)
     if feats is None:
         return loss, loss, None
-    adv = adversarial_loss(feats, task_tokens, task_labels, n_classes, args.adv_n1,
+    adv = adversarial_loss(feats, task_tokens, task_labels, n_classes, args.adv_n,
                            data.pad_id(V), generator)
     return loss, loss - args.adv_lambda * adv, adv
 
@@ -365,10 +363,10 @@ def one_update(run):
         group["lr"] = lr_at(step, args)
     inputs, targets = make_batch(run.lang, args, step, run.rank, args.batch // run.world)
     task_tokens = task_labels = n_classes = None
-    if run.task is not None:                            # D1 = the first adv_n1, D2 the rest
+    if run.task is not None:                            # D1 = the first adv_n, D2 the next adv_n
         tokens, labels, n_classes = run.task
         idx = torch.randperm(args.adv_pool, generator=generator(args.seed, "adv", step, run.rank))
-        idx = idx[:args.adv_n1 + args.adv_n2]
+        idx = idx[:2 * args.adv_n]
         task_tokens, task_labels = tokens[idx].to(device), labels[idx].to(device)
     amp = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16(args, device)
            else contextlib.nullcontext())
@@ -416,14 +414,25 @@ class ShortHelp(argparse.HelpFormatter):
     """--help on one screen: one line per flag, values shown as N (integer), X (number), S."""
 
     def __init__(self, prog):
-        super().__init__(prog, max_help_position=24, width=100)
+        super().__init__(prog, max_help_position=26, width=100)
 
     def _get_default_metavar_for_optional(self, action):
         return getattr(action.type, "metavar", {int: "N", float: "X"}.get(action.type, "S"))
 
+    def format_help(self):                            # no blank line after the usage
+        return super().format_help().replace("\n\n", "\n", 1)
 
-# integer flags' ranges: >= 1, >= 0, a numpy seed
+    def _format_action_invocation(self, action):
+        if isinstance(action, argparse.BooleanOptionalAction):      # --[no-]compile
+            return "--[no-]" + action.option_strings[0][2:]
+        return super()._format_action_invocation(action)
+
+
+# integer flags' ranges: >= 1, >= 0, a numpy seed; sizes capped far above any use, so that a
+# typo is a usage error (an allocation that still fails is one line too: data.command)
 COUNT, NATURAL, SEED = data.int_flag(1), data.int_flag(0), data.int_flag(0, data.SEED_MAX)
+SIZE_CAP = data.int_flag(1, 2 ** 16)
+SIZES = "--batch, --eval-n, --n-layers, --n-heads, --lstm-hidden or --grow-width"
 POSITIVE, NONNEGATIVE = data.float_flag(0, open_lo=True), data.float_flag(0)   # finite numbers
 
 
@@ -442,24 +451,27 @@ def device_flag(text):
 
 def parse_args(argv=None):
     """The run's arguments: the command line, or the checkpoint's (merge_stored)."""
-    p = argparse.ArgumentParser(usage="python train.py [options]  (python -m pydoc train: more)",
-                                description=__doc__.split("\n\n")[0], formatter_class=ShortHelp,
+    p = argparse.ArgumentParser(usage="python train.py [options]: masked-LM pre-training (paper "
+                                "§2.1-2.3); pydoc train: more",
+                                formatter_class=ShortHelp, add_help=False,
                                 allow_abbrev=False)    # so that `given` sees every flag
+    p._optionals.title = None                          # --help: the usage line, then the flags
     a = p.add_argument
+    a("-h", "--help", action="help", help=argparse.SUPPRESS)
     a("--lang", default="hmm-small", help=f"{', '.join(data.LANGUAGES)} or spec.json")
     a("--lang-seed", type=SEED, default=0, help="seed of the random language (default 0)")
     a("--preset", default="lstm-small", help="model size (python model.py lists them)")
-    a("--n-layers", type=COUNT, help="override the preset's transformer blocks / LSTM layers")
-    a("--n-heads", type=COUNT, help="override the preset's attention heads (d = head_dim * heads)")
-    a("--lstm-hidden", type=COUNT, help="override the preset's LSTM size per direction (d = 2x)")
+    a("--n-layers", type=SIZE_CAP, help="override the preset's transformer blocks / LSTM layers")
+    a("--n-heads", type=SIZE_CAP, help="override the preset's attention heads (d = head_dim * heads)")
+    a("--lstm-hidden", type=SIZE_CAP, help="override the preset's LSTM size per direction (d = 2x)")
     a("--grow-from", metavar="CKPT", help="start from model.grow(CKPT's model) (App. B.1.3)")
-    a("--grow-width", type=COUNT, default=2, help="with --grow-from: width factor (default 2)")
+    a("--grow-width", type=data.int_flag(1, 64), default=2, help="with --grow-from: width factor (default 2)")
     a("--grow-layers", type=NATURAL, default=0, help="with --grow-from: transformer blocks added")
     a("--grow-split", choices=model.SPLITS, default="even", metavar="S", help="with --grow-from: "
       "even (copies stay copies) or random (Net2Net)")
     a("--algo", default="adamw", choices=ALGOS, metavar="S", help=f"{', '.join(ALGOS)}")
     a("--steps", type=NATURAL, default=3000, help="updates (default 3000; --resume: extends)")
-    a("--batch", type=COUNT, default=256, help="global batch in sentences, split over processes")
+    a("--batch", type=data.int_flag(1, 2 ** 20), default=256, help="global batch in sentences, split over processes")
     a("--lr", type=POSITIVE, default=1e-2, help="peak lr (default 1e-2; the paper's 1e-3)")
     a("--warmup", type=data.float_flag(0, 0.999999), help="warm-up fraction of --steps "
       "(default 0.06; sgd 0.12)")
@@ -475,12 +487,10 @@ def parse_args(argv=None):
     a("--task", help="adversarial: downstream task (default: the language's first)")
     a("--adv-lambda", type=NONNEGATIVE, default=0.03, help="adversarial: weight of -loss_D2")
     a("--adv-pool", type=data.int_flag(4), default=4096, help="adversarial: downstream sample size")
-    a("--adv-n1", type=data.int_flag(2), default=256,
-      help="adversarial: |D1| (head fitted on it) per step")
-    a("--adv-n2", type=data.int_flag(2), default=256,
-      help="adversarial: |D2| (head scored on it) per step")
+    a("--adv-n", type=data.int_flag(2), default=256,
+      help="adversarial: |D1| = |D2| per step (head fitted on D1, scored on D2)")
     a("--seed", type=SEED, default=0, help="training seed: init, data order, masks")
-    a("--eval-n", type=data.int_flag(2), default=1000,
+    a("--eval-n", type=data.int_flag(2, 10 ** 6), default=1000,
       help="eval sentences (each masked at every position; >= 2 for the KL's se)")
     a("--eval-every", type=COUNT, default=250, help="evaluate exactly every k steps")
     a("--log-every", type=COUNT, default=50, help="write a training metrics row every k steps")
@@ -495,7 +505,7 @@ def parse_args(argv=None):
       help="torch.compile the model (a resume keeps the run's setting unless given)")
     a("--fused-attention", action=argparse.BooleanOptionalAction, default=False,
       help="PyTorch's fused attention kernel (model.FUSED_ATTENTION), for GPUs")
-    a("--threads", type=COUNT, default=1, help="torch threads per process (default 1)")
+    data.threads_flag(p)
     args = p.parse_args(argv)
     dest = {opt: act.dest for act in p._actions for opt in act.option_strings}
     given = {dest[f] for f in (str(t).split("=")[0] for t in (sys.argv[1:] if argv is None
@@ -532,7 +542,7 @@ def parse_args(argv=None):
 
 
 def flag(dest):
-    """The command-line flag of an argument: "adv_n1" -> "--adv-n1"."""
+    """The command-line flag of an argument: "adv_lambda" -> "--adv-lambda"."""
     return "--" + dest.replace("_", "-")
 
 
@@ -544,18 +554,15 @@ def check_args(args):
         bad.append(f"--steps must be >= {0 if args.grow_from else 1} (got {args.steps})")
     if args.grow_from is not None and args.algo == "lookup":
         bad.append("--grow-from grows a network; --algo lookup has none")
-    if not 0 <= args.warmup < 1:                # also a stored value from an older checkpoint
-        bad.append(f"--warmup is a fraction of --steps in [0, 1) (got {args.warmup})")
     if args.decay_steps and args.schedule != "const":
         bad.append("--decay-steps needs --schedule const (the linear schedule decays already)")
     elif args.decay_steps and not 0 < args.decay_steps <= args.steps - args.warmup_steps:
         bad.append(f"--decay-steps {args.decay_steps} must be >= 1 and not overlap the warm-up: "
                    f"at most --steps minus the {args.warmup_steps} warm-up steps")
     bad += [m for m in [data.unwritable(args.runs, "--runs", folder=True)] if m]
-    n1, n2 = args.adv_n1, args.adv_n2
-    if args.algo == "adversarial" and (min(n1, n2) < 2 or n1 + n2 > args.adv_pool):
-        bad.append(f"--adv-n1 and --adv-n2 must be >= 2, their sum ({n1} + {n2}) at most "
-                   f"--adv-pool ({args.adv_pool}): D1 and D2 are disjoint subsets of it")
+    if args.algo == "adversarial" and 2 * args.adv_n > args.adv_pool:
+        bad.append(f"2 x --adv-n ({args.adv_n}) must be at most --adv-pool ({args.adv_pool}): "
+                   f"D1 and D2 are disjoint subsets of it")
     if args.device.startswith("cuda") and not torch.cuda.is_available():     # a stored one
         bad.append("--device cuda asked for, but torch.cuda.is_available() is False")
     if bad:
@@ -574,7 +581,7 @@ def make_language(name, seed):
             return data.language_from_spec(json.load(f))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"train.py: --lang {name}: not a readable language spec "
-                         f"({type(e).__name__}: {first_line(e)})") from None
+                         f"({type(e).__name__}: {data.first_line(e)})") from None
 
 
 def build_model(args, lang):
@@ -592,31 +599,8 @@ def build_model(args, lang):
     if unused:
         raise SystemExit(f"train.py: {flag(unused[0])} does not apply to preset {args.preset!r}, "
                          f"a {cfg.arch}")
-    check_memory(args, cfg, lang)
     torch.manual_seed(stream_seed(args.seed, "init"))
     return model.build(cfg)
-
-
-def check_memory(args, cfg, lang):
-    """A one-line refusal, naming the flags, before building a model, batch or eval set larger
-    than this machine's memory (float32; AdamW keeps two moments and a gradient per weight)."""
-    with torch.device("meta"):                   # counts the parameters, allocates nothing
-        n = model.n_params(model.build(cfg))
-    T, B = lang.max_len, args.batch
-    if cfg.arch == "transformer":
-        per_token = cfg.n_layers * (16 * cfg.d + 3 * cfg.n_heads * T) + 2 * cfg.vocab_size
-    else:
-        per_token = cfg.n_layers * 24 * cfg.lstm_hidden + 2 * cfg.vocab_size
-    for what, floats in ((f"the model ({n:,} parameters: --preset, --n-layers, --n-heads, "
-                          f"--lstm-hidden, --grow-width)", 4 * n),
-                         (f"a batch of --batch {B} sentences of up to {T} words",
-                          B * T * per_token),
-                         (f"the eval set (--eval-n {args.eval_n} sentences, every position masked)",
-                          args.eval_n * T * (T + 2 * lang.vocab_size + 4 * per_token / T))):
-        try:
-            data.check_size(4 * floats, what)
-        except ValueError as e:
-            raise SystemExit(f"train.py: {e}") from None
 
 
 def grow_model(args):
@@ -629,7 +613,6 @@ def grow_model(args):
         c = small.config
         wider = ({"n_heads": c.n_heads * args.grow_width, "n_layers": c.n_layers + args.grow_layers}
                  if c.arch == "transformer" else {"lstm_hidden": c.lstm_hidden * args.grow_width})
-        check_memory(args, model.ModelConfig(**{**vars(c), **wider}), lang)
         big = model.grow(small, width=args.grow_width, extra_layers=args.grow_layers,
                          seed=stream_seed(args.seed, "init"), split=args.grow_split)
     except (FileNotFoundError, ValueError) as e:
@@ -681,9 +664,9 @@ def start_state(args, run_dir, lang, cfg, world):
     stored = ckpt.get("model_config")
     if cfg is not None and (stored is None or model.ModelConfig(**stored) != cfg):
         diff.append("its model_config")
-    if ckpt.get("world", 1) != world:          # data and masks are drawn per (step, rank)
-        diff.append(f"its number of processes ({ckpt.get('world', 1)}, now {world}: "
-                    f"use torchrun --nproc_per_node={ckpt.get('world', 1)})")
+    if ckpt["world"] != world:                 # data and masks are drawn per (step, rank)
+        diff.append(f"its number of processes ({ckpt['world']}, now {world}: "
+                    f"use torchrun --nproc_per_node={ckpt['world']})")
     if diff:
         raise SystemExit(f"train.py: {path}: {'; '.join(diff)} differs from this run's")
     return ckpt
@@ -709,6 +692,10 @@ def start_run(args):
         print(f"{run_dir} is complete: {args.resume} is at step {ckpt['step']} of {args.steps} "
               f"(--steps N, larger, extends a --schedule const run)")
         return None
+    if net is not None and net.config.arch == "lstm" and bf16(args, torch.device(args.device)) \
+            and args.device == "cpu" and not cpu_has_bf16():
+        raise SystemExit("train.py: --precision bf16: PyTorch's bf16 LSTM on a CPU needs bf16 "
+                         "units (avx512_bf16, amx), which this CPU lacks; use --precision fp32")
     ev = make_eval_set(lang, args.eval_n) if rank == 0 else None
     if rank == 0:                     # every check passed: only now is the run folder written
         os.makedirs(run_dir, exist_ok=True)
@@ -792,8 +779,8 @@ def write_step_0(run_dir, net, ev, V, device="cpu", **extra):
 def write_lookup(args, lang, run_dir, ev):
     """App. A.4's lookup table: its eval row (KL ~1e-15) and a checkpoint of kind "lookup"."""
     row = write_step_0(run_dir, LookupTable(lang), ev, lang.vocab_size, eval_n=args.eval_n)
-    save_checkpoint(ckpt_path(run_dir, 0), {"kind": "lookup", "model": {}, "optimizer": {},
-                    "step": 0, "rng": {}, "language": lang.spec(), "args": vars(args)})
+    data.save_whole(ckpt_path(run_dir, 0), {"kind": "lookup", "model": {}, "optimizer": {},
+                    "step": 0, "rng": {}, "language": lang.spec(), "args": vars(args), "world": 1})
     print(f"lookup table: kl {row['kl']:.1e}; wrote {ckpt_path(run_dir, 0)}")
 
 
@@ -837,24 +824,10 @@ def measure_checkpoints(paths, rows, settings_of, measure, written, shown=lambda
             print(json.dumps(shown(row)), flush=True)
 
 
-@contextlib.contextmanager
-def measuring_rows(script, rows, verb):
-    """The one-line exits of a script that appends a row per checkpoint to runs' `rows` file
-    (hessian.py: "hessian.jsonl", "measured"; probe.py): a bad input, a failed write, Ctrl-C or
-    SIGTERM. Yields the list measure_checkpoints appends each saved checkpoint to."""
-    signal.signal(signal.SIGTERM, signal.default_int_handler)        # SIGTERM as Ctrl-C
-    written = []
-    try:
-        yield written
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"{script}: error: {e}")
-    except OSError as e:
-        sys.exit(f"{script}: could not write {e.filename or rows}: {e.strerror or e} (no partial "
-                 f"row is left)")
-    except KeyboardInterrupt:
-        sys.exit(f"{script}: interrupted; {len(written)} checkpoint(s) {verb} and saved in their "
-                 f"runs' {rows}; run the same command again for the rest (checkpoints {verb} "
-                 f"with the same settings are skipped)")
+def measured_so_far(written, verb, rows):
+    """What an interrupted hessian.py or probe.py saved, and how to go on."""
+    return (f"{len(written)} checkpoint(s) {verb} and saved in their runs' {rows}; run the same "
+            f"command again for the rest (checkpoints {verb} with the same settings are skipped)")
 
 
 def truncate_metrics(path, step):
@@ -883,11 +856,6 @@ def fmt_time(s):
     """Seconds as m:ss or h:mm:ss."""
     m, sec = divmod(int(s), 60)
     return f"{m // 60}:{m % 60:02d}:{sec:02d}" if m >= 60 else f"{m}:{sec:02d}"
-
-
-def first_line(e):
-    """The first line of an exception's message, whole: one-line errors."""
-    return str(e).splitlines()[0] if str(e) else ""
 
 
 @contextlib.contextmanager
@@ -930,7 +898,7 @@ def generator(seed, stream, *keys):
 def save(run):
     """Checkpoint the run (rank 0): all that resuming, hessian.py and probe.py need."""
     if run.rank == 0:
-        save_checkpoint(ckpt_path(run.dir, run.step), {
+        data.save_whole(ckpt_path(run.dir, run.step), {
             "kind": "mlm", "model_config": dataclasses.asdict(run.net.config),
             "model": run.net.state_dict(), "optimizer": run.opt.state_dict(), "step": run.step,
             "wall": run.wall0 + time.time() - run.t_start,
@@ -949,39 +917,6 @@ def list_checkpoints(run_dir):
     names = sorted(f for f in (os.listdir(run_dir) if os.path.isdir(run_dir) else [])
                    if f.startswith("ckpt_") and f.endswith(".pt"))
     return [os.path.join(run_dir, f) for f in names]
-
-
-def save_checkpoint(path, ckpt):
-    """torch.save, whole or not at all (data.write_whole), with the checksum of its contents;
-    serialised in memory first, as torch.save hides a failed write in a RuntimeError."""
-    buffer = io.BytesIO()
-    torch.save({**ckpt, "sha256": checkpoint_digest(ckpt)}, buffer)
-    data.write_whole(path, lambda f: f.write(buffer.getbuffer()))
-
-
-def checkpoint_digest(ckpt):
-    """sha256 of a checkpoint's contents: every tensor's dtype, shape and bytes and every other
-    value's repr, keys in order. Stored in the file and checked on load: torch.load does not
-    verify a zip's own checksums, so damaged weights would load without a word."""
-    h = hashlib.sha256()
-
-    def walk(x):
-        if isinstance(x, dict):
-            for k in sorted(x, key=repr):
-                h.update(repr(k).encode())
-                walk(x[k])
-        elif isinstance(x, (list, tuple)):
-            h.update(f"{type(x).__name__}{len(x)}".encode())
-            for v in x:
-                walk(v)
-        elif torch.is_tensor(x):
-            t = x.detach().cpu().contiguous().reshape(-1)
-            h.update(f"{t.dtype}{tuple(x.shape)}".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes())
-        else:
-            h.update(repr(x).encode())
-    walk(ckpt)
-    return h.hexdigest()
 
 
 def lock_run_folder(run_dir):
@@ -1005,7 +940,6 @@ def lock_run_folder(run_dir):
 
 
 _LOCKS = []
-_UNCHECKED = set()        # checkpoints without a checksum, noted once each
 
 
 def missing_checkpoints(paths):
@@ -1024,19 +958,11 @@ def read_checkpoint(path, device="cpu"):
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:   # text, empty, truncated or foreign files all end up here
         raise ValueError(f"{path} is not a readable train.py checkpoint (torch.load: "
-                         f"{type(e).__name__}: {first_line(e)})") from None
+                         f"{type(e).__name__}: {data.first_line(e)})") from None
     need = {"kind", "language", "step", "args"}
     if not (isinstance(ckpt, dict) and need <= set(ckpt) and ckpt["kind"] in ("mlm", "lookup")):
         raise ValueError(f"{path} is not a train.py checkpoint (a dict with "
                          f"{', '.join(sorted(need))}; train.py writes runs/NAME/ckpt_*.pt)")
-    stored = ckpt.pop("sha256", None)
-    if stored is None and path not in _UNCHECKED:
-        _UNCHECKED.add(path)
-        print(f"note: {path} has no checksum (an older train.py wrote it): loaded unverified",
-              file=sys.stderr)
-    elif stored is not None and stored != checkpoint_digest(ckpt):
-        raise ValueError(f"{path} is damaged: its contents do not match their checksum (restore "
-                         f"it, or resume from an earlier checkpoint)")
     config = os.path.join(os.path.dirname(path), "config.json")
     try:                       # a run's rows and its checkpoints must be of one language
         with open(config) as f:
@@ -1062,7 +988,7 @@ def load_checkpoint(path, device="cpu"):
         raise
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"{path}: a damaged train.py checkpoint ({type(e).__name__}: "
-                         f"{first_line(e)})") from None
+                         f"{data.first_line(e)})") from None
     return net.to(device).eval(), ckpt, lang
 
 
@@ -1089,8 +1015,7 @@ def merge_stored(args, given):
     if ckpt["kind"] != "mlm" and args.branch_from is not None:
         raise SystemExit(f"train.py: --branch-from {path}: a {ckpt['kind']!r} checkpoint has "
                          f"no network to train on")
-    stored = {"decay_steps": 0, "branch_from": None, "dropout": 0.0, **ckpt["args"]}
-    stored.setdefault("warmup_steps", max(1, round(stored["warmup"] * stored["steps"])))
+    stored = dict(ckpt["args"])
     may_change = set(RUNTIME_ARGS) | {"steps", "name"}
     if args.branch_from is not None:
         may_change |= {"decay_steps", "eval_every", "log_every", "ckpt_every", "runs"}
@@ -1144,18 +1069,9 @@ def branch_args(merged, args, given, ckpt):
 
 
 def main(argv=None):
-    try:
-        train(parse_args(argv))
-    except KeyboardInterrupt:       # before the first update: the loop saves after it
-        signal.signal(signal.SIGINT, signal.SIG_IGN)    # a second Ctrl-C: no traceback
-        raise SystemExit("train.py: interrupted before training started; nothing to save")
-    except ValueError as e:         # the language's or the model's own one-line message
-        raise SystemExit(f"train.py: error: {e}") from None
-    except OSError as e:            # a full disk, a file-size limit, a folder refusing writes
-        raise SystemExit(f"train.py: could not write {e.filename or 'a file'}: {e.strerror or e}"
-                         f" (files are written whole or not at all: the run folder holds whole "
-                         f"files only; once there is room, --resume continues from its last "
-                         f"checkpoint)") from None
+    data.command("train.py", lambda: train(parse_args(argv)), SIZES,
+                 lambda: "the run folder holds whole files only: --resume continues from its "
+                         "last checkpoint (none yet: run the same command again)")
 
 
 if __name__ == "__main__":
