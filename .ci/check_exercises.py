@@ -33,7 +33,7 @@ TEACHING_PATH = [
     (f"train.py --steps 8 {TINY} --eval-every 2 --ckpt-every 2 --name q-s0",
      ["mask", "mlm_loss", "lr_schedule", "exact_kl"]),
     (f"train.py --lang pcfg-small --preset tf-small --steps 2 {TINY} --name t", ["attention"]),
-    (f"train.py --algo adversarial --steps 2 {TINY} --adv-pool 64 --adv-n1 16 --adv-n2 16 "
+    (f"train.py --algo adversarial --steps 2 {TINY} --adv-pool 64 --adv-n 16 "
      f"--name a", ["adversarial"]),
     (f"hessian.py {Q} --sentences 8 --samples 2 --repeats 2 --hvp-sentences 4 --eig-iters 2",
      ["trace_hessian"]),
