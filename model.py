@@ -3,7 +3,6 @@ bidirectional LSTMs of its HMM experiments (§2.2), named size presets, and grow
 a model in a wider and deeper one computing the same function (App. B.1.3).
 
     python model.py                 # list the presets with their parameter counts
-    python model.py --check-grow    # grow random float64 models: max |logit difference|
 
 Interface (used by train.py, hessian.py, probe.py):
     config = config_from_preset("tf-2m", vocab_size=V + 2, pad_id=V + 1, max_len=32)
@@ -14,8 +13,8 @@ Interface (used by train.py, hessian.py, probe.py):
     big = grow(net, width=2, extra_layers=1)   # same logits, 2x heads/width, one more block
 
 Reading order: ModelConfig and PRESETS (the sizes), attention and the transformer's blocks, the
-LSTM, grow; then the plumbing (the fused attention of FUSED_ATTENTION, initialisation, padding mask,
-presets, the --check-grow table).
+LSTM, grow; then the plumbing (the fused attention of FUSED_ATTENTION, initialisation, padding
+mask, presets). .bench/check_grow.py measures grow() against the paper's zero-filled blocks.
 """
 import argparse
 import math
@@ -72,10 +71,11 @@ class ModelConfig:
         return self.head_dim * self.n_heads if self.arch == "transformer" else 2 * self.lstm_hidden
 
 
-# Sizes (§2.2: transformers 2M-730M, LSTMs 10M-135M; the shapes are ours). A preset's name is
-# its parameter count, within 5%, at its family's REFERENCE vocabulary: BERT's 30,522 tokens and
-# 128 positions for transformers, the paper's HMM (200 words + 2 special tokens) for LSTMs. On a
-# small synthetic vocabulary a transformer is much smaller than its name.
+# Sizes (§2.2: transformers 2M-730M, LSTMs 10M-135M; the shapes are ours). The paper-scale
+# presets (-2m ... -730m) are named for their parameter count, within 5%, at their family's
+# REFERENCE vocabulary (BERT's 30,522 tokens and 128 positions; the paper's HMM, 200 words + 2
+# special tokens); the CPU presets for the language they saturate. On a small vocabulary a
+# transformer is much smaller: train.py prints the count (tf-deep: 201,354 on pcfg-deep).
 REFERENCE = {"transformer": dict(vocab_size=30522, pad_id=0, max_len=128),
              "lstm": dict(vocab_size=202, pad_id=201, max_len=32)}
 PRESETS = {
@@ -260,10 +260,13 @@ def grow(model, width=2, extra_layers=0, seed=0, split="even"):
 
     Width: every feature, head, MLP unit and LSTM unit (per gate, per direction) is copied k
     times and every weight that reads copies is split among them: split="even", w/k to each
-    copy (the copies then get equal gradients, and under any optimizer stay copies: the grown
-    model keeps the small one's solution); split="random" (Net2Net), w times fractions drawn
-    per weight, uniform in [0.5, 1.5] normalised to sum 1 over the k copies, from a
-    torch.Generator seeded with `seed` (the copies get unequal gradients and can part). Either
+    copy (the copies then get equal gradients and under any optimizer stay copies: the grown
+    model never leaves the small model's function class); split="random", w times fractions
+    drawn per weight entry, uniform in [0.5, 1.5] normalised to sum 1 over the k copies, from a
+    torch.Generator seeded with `seed` (the copies get unequal gradients and can part). Per
+    entry, not per unit: with one fraction per copied unit (an uneven Net2Net-style split;
+    Net2Net itself splits evenly and adds noise) the copies' gradients stay proportional, and
+    Adam's normalisation turns proportional gradients into equal updates. Either
     way each residual stream / LSTM state is exactly [h, ..., h]: a LayerNorm sees the same
     mean and variance, attention the same scores. The tied output layer would give k times the
     logits, so the LayerNorm producing h_L (pre-LN: ln_f; post-LN: the last block's ln_2) has
@@ -271,8 +274,8 @@ def grow(model, width=2, extra_layers=0, seed=0, split="even"):
     divides by k instead.
     Depth (transformers): a new block with zero attention and MLP output projections (its other
     weights fresh from `seed`, so it can train) is the identity on a pre-LN stream. On a post-LN
-    stream it is not: the paper's zero-filled blocks change the function (zero_filled_blocks,
-    `python model.py --check-grow`), so the old top block is re-parametrised: call
+    stream it is not: the paper's zero-filled blocks change the function (.bench/check_grow.py
+    measures it), so the old top block is re-parametrised: call
     _deepen_post_ln(state, config.n_layers, extra_layers) on the grown state dict, after the
     width copies and the 1/k of the top LayerNorm. The new blocks' other weights come from
     build() under torch.manual_seed(seed), inside torch.random.fork_rng (the global RNG is
@@ -293,13 +296,14 @@ def grow(model, width=2, extra_layers=0, seed=0, split="even"):
     # BEGIN EXERCISE grow requires attention
     k, gen = width, torch.Generator().manual_seed(seed)
 
-    def shares(b, n_row):  # b.repeat(n_row, k) times fractions summing to 1 over the k copies
+    def shares(b, copies_out):  # b copied copies_out x k; the k input copies share each entry
         if split == "even":
-            return b.repeat(n_row, k) / k
-        u = torch.rand(k, n_row * b.shape[0], b.shape[1], generator=gen, dtype=torch.float64) + 0.5
-        return b.repeat(n_row, k) * torch.cat(list(u / u.sum(0)), 1).to(b)
+            return b.repeat(copies_out, k) / k
+        u = torch.rand(k, copies_out * b.shape[0], b.shape[1], generator=gen,
+                       dtype=torch.float64) + 0.5
+        return b.repeat(copies_out, k) * torch.cat(list(u / u.sum(0)), 1).to(b)
 
-    def tile(w, n_row=1, n_col=1):  # w in n_row x n_col blocks, each copied k x k, split
+    def tile(w, n_row=1, n_col=1):  # w in n_row x n_col blocks (gates, q/k/v), each copied k x k
         return torch.cat([torch.cat([shares(b, k) for b in row.chunk(n_col, 1)], 1)
                           for row in w.chunk(n_row, 0)], 0)
 
@@ -437,77 +441,10 @@ def preset_n_params(name):
         return n_params(build(config))
 
 
-def zero_filled_blocks(model, extra_layers=1):
-    """App. B.1's depth construction taken literally: `extra_layers` transformer blocks on top
-    with every weight and bias zero (LayerNorms at gain 1, bias 0). Exact for pre-LN; changes a
-    post-LN model's logits (grow()'s docstring). A demonstration; grow() is the exact tool."""
-    if model.config.arch != "transformer":
-        raise ValueError("zero_filled_blocks: transformers only (App. B.1.2)")
-    config = ModelConfig(**{**vars(model.config), "n_layers": model.config.n_layers + extra_layers})
-    p = next(model.parameters())
-    big = build(config).to(device=p.device, dtype=p.dtype)
-    big.load_state_dict(model.state_dict(), strict=False)
-    with torch.no_grad():
-        for block in big.blocks[model.config.n_layers:]:
-            for name, q in block.named_parameters():
-                if not name.startswith("ln_"):
-                    q.zero_()
-    return big.train(model.training)
-
-
-# (arch, ln, width, extra_layers)
-GROW_CHECKS = [("transformer", "pre", 2, 2), ("transformer", "post", 2, 2),
-               ("transformer", "post", 3, 0), ("lstm", "pre", 2, 0)]
-LN_DRAWS = {"LN 1, 0": (0.0, 0.0), "LN 1±0.1, ±0.05": (0.1, 0.05), "LN ~N(0, 1)": None}
-
-
-def check_grow(seed=0):
-    """Rows (case, {LayerNorm draw: max |logit diff|}) for grow() and for the paper's zero-filled
-    blocks, on float64 models with weights ~ N(0, 1) and LayerNorm gains/biases drawn three ways
-    (LN_DRAWS): at their init (1, 0), trained-like (1 + 0.1 z, 0.05 z), and ~ N(0, 1)."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 12, (8, 16), generator=g)
-    tokens[torch.arange(16) >= torch.randint(1, 17, (8, 1), generator=g)] = 13  # pad_id 13
-    rows = []
-    for arch, ln, width, extra in GROW_CHECKS:
-        grown, zero = {}, {}
-        for draw, spread in LN_DRAWS.items():
-            small = build(ModelConfig(vocab_size=14, pad_id=13, max_len=16, arch=arch, ln=ln,
-                                      n_layers=2, lstm_hidden=32)).double().eval()
-            with torch.no_grad():
-                for name, p in small.named_parameters():
-                    p.normal_(generator=g)
-                    is_ln = "ln" in name.split(".")[-2] if "." in name else False
-                    if is_ln and spread is not None:  # gain 1 + a z, bias b z
-                        p.mul_(spread[0] if name.endswith("weight") else spread[1])
-                        p.add_(1.0 if name.endswith("weight") else 0.0)
-            logits = small(tokens)
-            grown[draw] = (grow(small, width, extra)(tokens) - logits).abs().max().item()
-            if arch == "transformer":
-                zero[draw] = (zero_filled_blocks(small)(tokens) - logits).abs().max().item()
-        case = f"{arch} ln={ln}" if arch == "transformer" else arch
-        rows.append((f"{case} grow(width={width}, extra_layers={extra})", grown))
-        if zero:
-            rows.append((f"{case} zero-filled block on top (paper's)", zero))
-    return rows
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description="List model.py's size presets with their "
-                                     "parameter counts, or check grow() (App. B.1).")
-    a = parser.add_argument
-    a("--check-grow", action="store_true", help="grow float64 models and print the max |logit "
-      "difference| at three LayerNorm parameter draws, next to the paper's zero-filled blocks")
-    a("--threads", type=int, default=1, help="torch threads (default 1)")
-    args = parser.parse_args(argv)
-    if args.threads < 1:
-        parser.error(f"--threads must be >= 1 (got {args.threads})")
-    torch.set_num_threads(args.threads)
-    if args.check_grow:
-        print(f"{'max |logit diff|':52s}" + "".join(f"{d:>18s}" for d in LN_DRAWS))
-        for case, diffs in check_grow():
-            print(f"{case:52s}" + "".join(f"{diffs[d]:18.3g}" for d in LN_DRAWS))
-        return
+                                     "parameter counts (App. B.1).")
+    parser.parse_args(argv)
     for name in PRESETS:
         ref = REFERENCE[PRESETS[name]["arch"]]
         print(f"{name:10s} {preset_n_params(name):>13,d} parameters "

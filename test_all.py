@@ -1391,14 +1391,27 @@ def test_model_grow_split_decides_whether_copies_part_under_adamw(arch):
         assert parted < 1e-12 if split == "even" else parted > 1e-4, (split, parted)
 
 
+def _model_zero_filled_blocks(net):
+    """App. B.1's depth construction taken literally: one block on top with every weight and
+    bias zero, LayerNorms at gain 1 and bias 0."""
+    big = model.build(model.ModelConfig(**{**vars(net.config), "n_layers": net.config.n_layers + 1}))
+    big = big.to(torch.float64).eval()
+    big.load_state_dict(net.state_dict(), strict=False)
+    with torch.no_grad():
+        for name, q in big.blocks[-1].named_parameters():
+            if not name.startswith("ln_"):
+                q.zero_()
+    return big
+
+
 def test_model_post_ln_zero_block_changes_function():
-    """App. B.1's zero-filled block on top: exact for pre-LN, not for post-LN (model.py
-    docstring)."""
+    """App. B.1's zero-filled block on top: exact for pre-LN, not for post-LN (grow()'s
+    docstring; .bench/check_grow.py measures it)."""
     tokens, _ = _model_tokens()
     pre = _model_randomise(model.build(_model_config("transformer", "pre")))
-    assert torch.equal(model.zero_filled_blocks(pre)(tokens), pre(tokens))
+    assert torch.equal(_model_zero_filled_blocks(pre)(tokens), pre(tokens))
     post = _model_randomise(model.build(_model_config("transformer", "post")))
-    assert (model.zero_filled_blocks(post)(tokens) - post(tokens)).abs().max() > 1e-2
+    assert (_model_zero_filled_blocks(post)(tokens) - post(tokens)).abs().max() > 1e-2
     # the mechanism: LN(LN(z)) != LN(z) once the first LayerNorm has a gain and bias
     h = post.blocks[1].ln_2(torch.randn(5, 128, dtype=torch.float64))
     assert (torch.nn.functional.layer_norm(h, (128,)) - h).abs().max() > 1e-2

@@ -467,8 +467,8 @@ def parse_args(argv=None):
     a("--grow-from", metavar="CKPT", help="start from model.grow(CKPT's model) (App. B.1.3)")
     a("--grow-width", type=data.int_flag(1, 64), default=2, help="with --grow-from: width factor (default 2)")
     a("--grow-layers", type=NATURAL, default=0, help="with --grow-from: transformer blocks added")
-    a("--grow-split", choices=model.SPLITS, default="even", metavar="S", help="with --grow-from: "
-      "even (copies stay copies) or random (Net2Net)")
+    a("--grow-split", choices=model.SPLITS, default="random", metavar="S", help="with --grow-from:"
+      " random (default: copies can part) or even (they never do)")
     a("--algo", default="adamw", choices=ALGOS, metavar="S", help=f"{', '.join(ALGOS)}")
     a("--steps", type=NATURAL, default=3000, help="updates (default 3000; --resume: extends)")
     a("--batch", type=data.int_flag(1, 2 ** 20), default=256, help="global batch in sentences, split over processes")

@@ -29,9 +29,9 @@ TINY = "--batch 16 --eval-n 20"
 TEACHING_PATH = [
     ("data.py hmm-small --n 20 --out hmm.pt", ["hmm_conditional", "task_label"]),
     ("data.py pcfg-small --n 20 --out pcfg.pt", ["inside", "outside", "pcfg_conditional"]),
-    ("model.py --check-grow", ["grow"]),
     (f"train.py --steps 8 {TINY} --eval-every 2 --ckpt-every 2 --name q-s0",
      ["mask", "mlm_loss", "lr_schedule", "exact_kl"]),
+    (f"train.py --grow-from runs/q-s0/ckpt_0000008.pt --steps 0 {TINY} --name g", ["grow"]),
     (f"train.py --lang pcfg-small --preset tf-small --steps 2 {TINY} --name t", ["attention"]),
     (f"train.py --algo adversarial --steps 2 {TINY} --adv-pool 64 --adv-n 16 "
      f"--name a", ["adversarial"]),
