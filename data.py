@@ -8,9 +8,11 @@ have sample / sentences, mlm_conditional, tasks / n_classes / task_data and spec
 checkpoints store; language_from_spec). Words are 0..V-1, then mask_id(V) and pad_id(V).
 
 Reading order: mask_one; hmm_forward_backward, hmm_state_posterior, HMM; inside, outside,
-pcfg_conditional, PCFG; mlm_entropy. After the plumbing banner: validation, samplers, rule
-files, the fast inside-outside of the paper-size grammars (FAST_INSIDE_OUTSIDE; every CPU-scale
-grammar runs the plain form), the CLI.
+pcfg_conditional, PCFG; mlm_entropy; the samplers and the random grammar they call. After the
+plumbing banner: validation, the rule-file reader, the fast inside-outside of the paper-size
+grammars (FAST_INSIDE_OUTSIDE; every CPU-scale grammar runs the plain form), and the command
+line with what the later scripts share of it (flag types, whole writes and appends, the JSON
+rows reader, the one-line exits of data.command).
 
 Run (prints the language, its tasks and optimal MLM loss; writes sentences, task labels and
 the spec, read back by torch.load(FILE, weights_only=True)):
@@ -21,6 +23,7 @@ the spec, read back by torch.load(FILE, weights_only=True)):
 import argparse
 import contextlib
 import io
+import json
 import math
 import os
 import signal
@@ -564,6 +567,107 @@ def mlm_entropy(lang, n=1000, seed=0, batch=500):
     return per_sentence.mean().item(), (per_sentence.std() / math.sqrt(n)).item()
 
 
+# -------------------------------- what sample() and PCFG.random use (§2.2): samplers, grammar ---
+
+def _cdf_table(p):
+    """Inverse-CDF table of the rows of p [R, K]: (row r's CDF + r, flattened: one sorted array
+    for all rows; the last non-zero column of each row; K)."""
+    R, K = p.shape
+    cdf = p.cumsum(1)
+    cdf = cdf / cdf[:, -1:]  # ends at exactly 1
+    last = K - 1 - (p > 0).flip(1).int().argmax(1)
+    return (cdf + torch.arange(R, dtype=torch.float64)[:, None]).reshape(-1), last, K
+
+
+def _draw_from_rows(table, rows, u):
+    """One column drawn from row rows[i] per uniform u[i] in [0, 1); zero-probability columns
+    never (the clamp only catches rounding in rows + u near 1)."""
+    flat, last, K = table
+    idx = torch.searchsorted(flat, rows + u, right=True) - rows * K
+    return torch.minimum(idx, last[rows])
+
+
+def _grow_sentences(root_cdf, rule_cdf, S, V, m, T, g):
+    """Grow m trees top-down at once (§2.2): (tokens [k, T], pad_id(V) beyond the length;
+    lengths [k]) of the k <= m with at most T words. A row holds a tree's frontier (symbols to
+    rewrite, words emitted); a round rewrites every pending symbol by one rule (outcome B*S+C:
+    symbols B C; S*S+w: word w); a row longer than T words is dropped at once."""
+    symbol = torch.full((m, 2 * T), -1, dtype=torch.long)  # <= T items become <= 2T in a round
+    is_word = torch.zeros(m, 2 * T, dtype=torch.bool)
+    length = torch.ones(m, dtype=torch.long)
+    u = torch.rand(m, generator=g, dtype=torch.float64)
+    symbol[:, 0] = _draw_from_rows(root_cdf, torch.zeros(m, dtype=torch.long), u)
+    pos = torch.arange(2 * T)
+    while True:
+        rows, cols = ((pos < length[:, None]) & ~is_word).nonzero(as_tuple=True)
+        if len(rows) == 0:
+            break
+        u = torch.rand(len(rows), generator=g, dtype=torch.float64)
+        outcome = _draw_from_rows(rule_cdf, symbol[rows, cols], u)
+        symbol, is_word, length = _rewrite(symbol, is_word, length, rows, cols, outcome, S)
+        short = length <= T
+        symbol, is_word, length = symbol[short], is_word[short], length[short]
+    tokens = torch.full((len(length), T), pad_id(V), dtype=torch.long)
+    valid = pos[:T] < length[:, None]
+    tokens[valid] = symbol[:, :T][valid]
+    return tokens, length
+
+
+def _rewrite(symbol, is_word, length, rows, cols, outcome, S):
+    """One round of _grow_sentences: the items at (rows, cols) rewritten by `outcome`, every
+    other item moved right past the new ones. Returns the new (symbol, is_word, length)."""
+    binary = outcome < S * S
+    width = (torch.arange(symbol.shape[1]) < length[:, None]).long()  # items each becomes
+    width[rows[binary], cols[binary]] = 2
+    dest = width.cumsum(1) - width  # the new position of each item's first replacement
+    new_symbol, new_is_word = torch.full_like(symbol, -1), torch.zeros_like(is_word)
+    r, c = (width > 0).nonzero(as_tuple=True)  # every item moves; rewritten ones change below
+    new_symbol[r, dest[r, c]], new_is_word[r, dest[r, c]] = symbol[r, c], is_word[r, c]
+    r, d = rows[~binary], dest[rows[~binary], cols[~binary]]
+    new_symbol[r, d], new_is_word[r, d] = outcome[~binary] - S * S, True  # A -> w: the word
+    r, d, pair = rows[binary], dest[rows[binary], cols[binary]], outcome[binary]
+    new_symbol[r, d], new_symbol[r, d + 1] = pair // S, pair % S  # A -> B C: B, then C
+    return new_symbol, new_is_word, width.sum(1)
+
+
+def _layered_grammar(n_symbols, vocab_size, seed, n_levels, rules_per_symbol, p_lexical,
+                     words_per_symbol, upper_words, max_len):
+    """root [S], binary [S,S,S], lexical [S,V] (numpy) of PCFG.random's layered grammar."""
+    S, V, L = n_symbols, vocab_size, n_levels
+    if not (2 <= L <= S and 2 ** (L - 1) <= max_len and 0 <= p_lexical < 1):
+        raise ValueError(f"PCFG.random: need 2 <= n_levels <= n_symbols, 2^(n_levels-1) <= "
+                         f"max_len, 0 <= p_lexical < 1; got {L}, {S}, {max_len}, {p_lexical}")
+    rng = np.random.default_rng(seed)
+    sizes = [S // L + (i < S % L) for i in range(L)]
+    start = np.cumsum([0] + sizes)
+    level = [np.arange(start[i], start[i + 1]) for i in range(L)]
+    root = np.zeros(S)
+    root[level[0]] = rng.dirichlet(np.ones(sizes[0]))
+    binary, lexical = np.zeros((S, S, S)), np.zeros((S, V))
+    for i in range(L - 1):
+        nxt = level[i + 1]
+        n_pairs = len(nxt) ** 2
+        k = min(rules_per_symbol, n_pairs)
+        p_lex = 0.0 if i == 0 else p_lexical
+        for a in level[i]:
+            pick = rng.choice(n_pairs, size=k, replace=False)
+            binary[a, nxt[pick // len(nxt)], nxt[pick % len(nxt)]] = \
+                (1 - p_lex) * rng.dirichlet(np.ones(k))
+            if p_lex > 0:
+                w = rng.choice(V, size=min(upper_words, V), replace=False)
+                lexical[a, w] = p_lex * rng.dirichlet(np.ones(len(w)))
+    last = level[-1]
+    for a in last:
+        w = rng.choice(V, size=min(words_per_symbol, V), replace=False)
+        lexical[a, w] = rng.dirichlet(np.full(len(w), 0.5))
+    # every word reachable: a word no last-level symbol emits gets a small share of one
+    for w in np.nonzero(lexical[last].sum(0) == 0)[0]:
+        a = rng.choice(last)
+        lexical[a, w] = lexical[a].mean()
+        lexical[a] /= lexical[a].sum()
+    return root, binary, lexical
+
+
 # ================================================================================ plumbing ===
 
 def build_language(name, seed=0, rules=None):
@@ -718,107 +822,6 @@ def _components(link):
         if torch.equal(new, label):
             return label
         label = new
-
-
-# ---------------------------------------------------------------- samplers, random grammar ---
-
-def _cdf_table(p):
-    """Inverse-CDF table of the rows of p [R, K]: (row r's CDF + r, flattened: one sorted array
-    for all rows; the last non-zero column of each row; K)."""
-    R, K = p.shape
-    cdf = p.cumsum(1)
-    cdf = cdf / cdf[:, -1:]  # ends at exactly 1
-    last = K - 1 - (p > 0).flip(1).int().argmax(1)
-    return (cdf + torch.arange(R, dtype=torch.float64)[:, None]).reshape(-1), last, K
-
-
-def _draw_from_rows(table, rows, u):
-    """One column drawn from row rows[i] per uniform u[i] in [0, 1); zero-probability columns
-    never (the clamp only catches rounding in rows + u near 1)."""
-    flat, last, K = table
-    idx = torch.searchsorted(flat, rows + u, right=True) - rows * K
-    return torch.minimum(idx, last[rows])
-
-
-def _grow_sentences(root_cdf, rule_cdf, S, V, m, T, g):
-    """Grow m trees top-down at once (§2.2): (tokens [k, T], pad_id(V) beyond the length;
-    lengths [k]) of the k <= m with at most T words. A row holds a tree's frontier (symbols to
-    rewrite, words emitted); a round rewrites every pending symbol by one rule (outcome B*S+C:
-    symbols B C; S*S+w: word w); a row longer than T words is dropped at once."""
-    symbol = torch.full((m, 2 * T), -1, dtype=torch.long)  # <= T items become <= 2T in a round
-    is_word = torch.zeros(m, 2 * T, dtype=torch.bool)
-    length = torch.ones(m, dtype=torch.long)
-    u = torch.rand(m, generator=g, dtype=torch.float64)
-    symbol[:, 0] = _draw_from_rows(root_cdf, torch.zeros(m, dtype=torch.long), u)
-    pos = torch.arange(2 * T)
-    while True:
-        rows, cols = ((pos < length[:, None]) & ~is_word).nonzero(as_tuple=True)
-        if len(rows) == 0:
-            break
-        u = torch.rand(len(rows), generator=g, dtype=torch.float64)
-        outcome = _draw_from_rows(rule_cdf, symbol[rows, cols], u)
-        symbol, is_word, length = _rewrite(symbol, is_word, length, rows, cols, outcome, S)
-        short = length <= T
-        symbol, is_word, length = symbol[short], is_word[short], length[short]
-    tokens = torch.full((len(length), T), pad_id(V), dtype=torch.long)
-    valid = pos[:T] < length[:, None]
-    tokens[valid] = symbol[:, :T][valid]
-    return tokens, length
-
-
-def _rewrite(symbol, is_word, length, rows, cols, outcome, S):
-    """One round of _grow_sentences: the items at (rows, cols) rewritten by `outcome`, every
-    other item moved right past the new ones. Returns the new (symbol, is_word, length)."""
-    binary = outcome < S * S
-    width = (torch.arange(symbol.shape[1]) < length[:, None]).long()  # items each becomes
-    width[rows[binary], cols[binary]] = 2
-    dest = width.cumsum(1) - width  # the new position of each item's first replacement
-    new_symbol, new_is_word = torch.full_like(symbol, -1), torch.zeros_like(is_word)
-    r, c = (width > 0).nonzero(as_tuple=True)  # every item moves; rewritten ones change below
-    new_symbol[r, dest[r, c]], new_is_word[r, dest[r, c]] = symbol[r, c], is_word[r, c]
-    r, d = rows[~binary], dest[rows[~binary], cols[~binary]]
-    new_symbol[r, d], new_is_word[r, d] = outcome[~binary] - S * S, True  # A -> w: the word
-    r, d, pair = rows[binary], dest[rows[binary], cols[binary]], outcome[binary]
-    new_symbol[r, d], new_symbol[r, d + 1] = pair // S, pair % S  # A -> B C: B, then C
-    return new_symbol, new_is_word, width.sum(1)
-
-
-def _layered_grammar(n_symbols, vocab_size, seed, n_levels, rules_per_symbol, p_lexical,
-                     words_per_symbol, upper_words, max_len):
-    """root [S], binary [S,S,S], lexical [S,V] (numpy) of PCFG.random's layered grammar."""
-    S, V, L = n_symbols, vocab_size, n_levels
-    if not (2 <= L <= S and 2 ** (L - 1) <= max_len and 0 <= p_lexical < 1):
-        raise ValueError(f"PCFG.random: need 2 <= n_levels <= n_symbols, 2^(n_levels-1) <= "
-                         f"max_len, 0 <= p_lexical < 1; got {L}, {S}, {max_len}, {p_lexical}")
-    rng = np.random.default_rng(seed)
-    sizes = [S // L + (i < S % L) for i in range(L)]
-    start = np.cumsum([0] + sizes)
-    level = [np.arange(start[i], start[i + 1]) for i in range(L)]
-    root = np.zeros(S)
-    root[level[0]] = rng.dirichlet(np.ones(sizes[0]))
-    binary, lexical = np.zeros((S, S, S)), np.zeros((S, V))
-    for i in range(L - 1):
-        nxt = level[i + 1]
-        n_pairs = len(nxt) ** 2
-        k = min(rules_per_symbol, n_pairs)
-        p_lex = 0.0 if i == 0 else p_lexical
-        for a in level[i]:
-            pick = rng.choice(n_pairs, size=k, replace=False)
-            binary[a, nxt[pick // len(nxt)], nxt[pick % len(nxt)]] = \
-                (1 - p_lex) * rng.dirichlet(np.ones(k))
-            if p_lex > 0:
-                w = rng.choice(V, size=min(upper_words, V), replace=False)
-                lexical[a, w] = p_lex * rng.dirichlet(np.ones(len(w)))
-    last = level[-1]
-    for a in last:
-        w = rng.choice(V, size=min(words_per_symbol, V), replace=False)
-        lexical[a, w] = rng.dirichlet(np.full(len(w), 0.5))
-    # every word reachable: a word no last-level symbol emits gets a small share of one
-    for w in np.nonzero(lexical[last].sum(0) == 0)[0]:
-        a = rng.choice(last)
-        lexical[a, w] = lexical[a].mean()
-        lexical[a] /= lexical[a].sum()
-    return root, binary, lexical
 
 
 # ---------------------------------------------------------------- the authors' rule files ---
@@ -1170,6 +1173,29 @@ def command(script, body, sizes, saved):
     except OSError as e:              # a full disk, a file-size limit, a folder refusing writes
         sys.exit(f"{script}: could not write {e.filename or 'a file'}: {e.strerror or e} (no "
                  f"file is left half-written); {saved()}")
+
+
+def read_rows(path, needs=("step",)):
+    """The rows of a JSON-lines file written by append_line ([] if there is none). A last line
+    cut short (a process killed mid-write) is dropped with a note; any other line that is not a
+    JSON object with the keys `needs` is a one-line ValueError naming the file and line."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = [(no, line) for no, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for no, line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if no == lines[-1][0] and not line.endswith("\n"):
+                print(f"{path}: dropped its half-written last line", file=sys.stderr)
+                break
+            raise ValueError(f"{path}, line {no}: not a JSON row; delete that line") from None
+        if not isinstance(row, dict) or not all(k in row for k in needs):
+            raise ValueError(f"{path}, line {no}: not a row with {', '.join(needs)}")
+        rows.append(row)
+    return rows
 
 
 def unwritable(path, flag, folder=False):

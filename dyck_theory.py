@@ -9,10 +9,13 @@ zero-loss model and Thm 5.1's downstream failure probability, each claim printed
     python dyck_theory.py --T 8 --m 64 --n 20   # m < 576: random features cannot interpolate
     python dyck_theory.py --json                # one JSON object instead (keys: see --help)
 
-Reading order: pretraining_support, downstream_population, model_output (the setting, Sec. 5);
-grad_norm_trace (Lemma F.4); lower_bound, balance (Lemma F.1); transferable_solution,
-random_features_solution; flattest_search_run; downstream_losses, failure_probability_exact
-(Thm 5.1); after the banner, the claims and the command line. Corrections to the paper: Lemma
+Reading order (every function above the banner): encode, pretraining_support,
+downstream_population (the data, Sec. 5); attention_weights, attention_output, model_output,
+features, mlm_loss (the model); hessian_trace, grad_norm_trace (Lemma F.4); lower_bound, balance
+(Lemma F.1); transferable_solution, fit_u, rf_min_width, random_features_solution (the two
+solutions); trace_closed_form, flattest_search_run, flattest_search, neuron_structure (the
+search); min_norm_head, downstream_losses, failure_probability_exact (Thm 5.1); after the
+banner, the claims and the command line. Corrections to the paper: Lemma
 F.4 holds with a factor 2; Lemma F.1's bound is 4/(m sqrt(T)) (the extracted text reads 4/T);
 Thm 5.1's failure probability is 2(1-p)^n - q^n (0.0296 at T = 6, n = 10), not <= 2^-n.
 """
@@ -244,6 +247,27 @@ def random_features_solution(T, m, X, y, seed=0):
 
 
 # -------------------------------------------------------------- flattest search (Thm 5.1's problem)
+def trace_closed_form(params, X):
+    """`grad_norm_trace` in closed form, differentiable in params, for the search (a test holds
+    the two equal): per input, ||grad_B f||^2 for each block from gamma = df/dh = V^T(u*D)/m and
+    g = df/d(attention logits), g_j = a_j (b_j - a.b) with b_j = gamma.x_j."""
+    Q, K, V, u = params["Q"], params["K"], params["V"], params["u"]
+    m = u.shape[0]
+    a = attention_weights(Q, K, X)                        # (N, T)
+    h = (a[:, None, :] @ X).squeeze(1)                    # (N, d)
+    p = h @ V.T                                           # (N, m)
+    D = (p > 0).to(DTYPE)
+    gamma = (D * u) @ V / m                               # (N, d)
+    b = torch.einsum("ntd,nd->nt", X, gamma)
+    g = a * (b - (a * b).sum(1, keepdim=True))            # (N, T)
+    Xg = torch.einsum("nt,ntd->nd", g, X)                 # (N, d)
+    sq_u = (torch.relu(p) ** 2).sum(1) / m ** 2
+    sq_V = (D * u ** 2).sum(1) * (h ** 2).sum(1) / m ** 2
+    sq_Q = ((Xg @ K.T) ** 2).sum(1) * (X[:, 0] ** 2).sum(1)
+    sq_K = ((X[:, 0] @ Q.T) ** 2).sum(1) * (Xg ** 2).sum(1)
+    return 2 * (sq_u + sq_V + sq_Q + sq_K).mean()
+
+
 def flattest_search_run(T, m, X, y, seed, outer=SEARCH_OUTER, inner=SEARCH_INNER, lr=SEARCH_LR,
                         decay=SEARCH_DECAY):
     """The flattest zero-loss solution by search (this code's method, not the paper's): min
@@ -358,27 +382,6 @@ def failure_probability_exact(T, n):
     q = math.comb(T, T // 2) / 2 ** T
     p = (1 - q) / 2
     return 2 * (1 - p) ** n - q ** n
-
-
-def trace_closed_form(params, X):
-    """`grad_norm_trace` in closed form, differentiable in params, for the search (a test holds
-    the two equal): per input, ||grad_B f||^2 for each block from gamma = df/dh = V^T(u*D)/m and
-    g = df/d(attention logits), g_j = a_j (b_j - a.b) with b_j = gamma.x_j."""
-    Q, K, V, u = params["Q"], params["K"], params["V"], params["u"]
-    m = u.shape[0]
-    a = attention_weights(Q, K, X)                        # (N, T)
-    h = (a[:, None, :] @ X).squeeze(1)                    # (N, d)
-    p = h @ V.T                                           # (N, m)
-    D = (p > 0).to(DTYPE)
-    gamma = (D * u) @ V / m                               # (N, d)
-    b = torch.einsum("ntd,nd->nt", X, gamma)
-    g = a * (b - (a * b).sum(1, keepdim=True))            # (N, T)
-    Xg = torch.einsum("nt,ntd->nd", g, X)                 # (N, d)
-    sq_u = (torch.relu(p) ** 2).sum(1) / m ** 2
-    sq_V = (D * u ** 2).sum(1) * (h ** 2).sum(1) / m ** 2
-    sq_Q = ((Xg @ K.T) ** 2).sum(1) * (X[:, 0] ** 2).sum(1)
-    sq_K = ((X[:, 0] @ Q.T) ** 2).sum(1) * (Xg ** 2).sum(1)
-    return 2 * (sq_u + sq_V + sq_Q + sq_K).mean()
 
 
 # ========== plumbing: the claims, the command line ==========

@@ -67,7 +67,6 @@ def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0):
     torch.Generator seeded `seed`; repetition r takes each sentence's draws r · n_samples ..
     (r + 1) · n_samples - 1 and averages the N · n_samples squared norms. Returns floats: the
     mean and the std (ddof=1) of the repetitions, as the paper reports; the model is unchanged.
-    Written with counts: a (sentence, ỹ) pair drawn several times is computed once, weighted.
     """
     if n_samples < 1 or n_repeats < 2:
         raise ValueError(f"need n_samples >= 1 and n_repeats >= 2 (a std needs two repetitions), "
@@ -77,16 +76,13 @@ def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0):
                          f"{tuple(positions.shape)}")
     # BEGIN EXERCISE trace_hessian
     probs = model_probs(model, inputs, positions).cpu()                # (N, V) p_θ(·|x_-t)
-    n, V = probs.shape
-    draws = torch.multinomial(probs, n_repeats * n_samples, replacement=True,
-                              generator=torch.Generator().manual_seed(seed))
-    draws = draws.view(n, n_repeats, n_samples).transpose(0, 1)        # (R, N, S) ỹ
-    counts = torch.zeros(n_repeats, n, V, dtype=torch.float64)         # [r, i, w]: draws of w
-    counts.scatter_add_(2, draws, torch.ones(draws.shape, dtype=torch.float64))
-    sent, word = counts.sum(0).nonzero(as_tuple=True)                 # distinct (sentence, ỹ)
-    norms = sq_grad_norms(model, inputs[sent.to(inputs.device)],
-                          positions[sent.to(inputs.device)], word.to(inputs.device))
-    per_repeat = counts[:, sent, word] @ norms.cpu() / (n * n_samples)   # (R,)
+    n, draws_per_sentence = probs.shape[0], n_repeats * n_samples
+    draws = torch.multinomial(probs, draws_per_sentence, replacement=True,
+                              generator=torch.Generator().manual_seed(seed))   # (N, R·S) ỹ
+    sentence = torch.arange(n).repeat_interleave(draws_per_sentence).to(inputs.device)
+    norms = sq_grad_norms(model, inputs[sentence], positions[sentence],
+                          draws.reshape(-1).to(inputs.device))       # (N·R·S,) ‖∇ log p(ỹ)‖²
+    per_repeat = norms.cpu().view(n, n_repeats, n_samples).mean((0, 2))   # (R,)
     return per_repeat.mean().item(), per_repeat.std().item()
     # END EXERCISE trace_hessian
 
@@ -425,7 +421,12 @@ def sq_grad_norms(net, inputs, positions, labels, chunk_size=None):
 
     inputs [K, T], positions [K], labels [K], `chunk_size` pairs at a time (default: ~128 MiB
     of per-sample gradients, at most 512); by _layerwise_sq_norms where LAYERWISE_SQ_NORMS is
-    on and the model allows it, else by _vmap_sq_norms."""
+    on and the model allows it, else by _vmap_sq_norms. A pair that occurs several times (a
+    likely ỹ drawn again for one sentence) is computed once: the same numbers, fewer passes."""
+    key = torch.cat([inputs, positions[:, None], labels[:, None]], 1).cpu()
+    key, copy_of = torch.unique(key, dim=0, return_inverse=True)
+    key = key.to(inputs.device)
+    inputs, positions, labels = key[:, :-2], key[:, -2], key[:, -1]
     fnet = vmappable(net)
     params, _ = _params_and_buffers(net)
     layerwise = LAYERWISE_SQ_NORMS and _layerwise_ok(fnet)
@@ -435,7 +436,7 @@ def sq_grad_norms(net, inputs, positions, labels, chunk_size=None):
     with measuring(net, fnet):
         out = [one_chunk(inputs[s:s + chunk], positions[s:s + chunk], labels[s:s + chunk]).double()
                for s in range(0, len(labels), chunk)]
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+    return (torch.cat(out) if out else torch.zeros(0, dtype=torch.float64))[copy_of.to(key.device)]
 
 
 def _vmap_sq_norms(fnet, net):
@@ -565,14 +566,21 @@ def measure_checkpoint(path, args):
         p_true = lang.mlm_conditional(x.cpu(), (x != data.pad_id(lang.vocab_size)).sum(1).cpu())
         p_true = p_true[torch.arange(len(x)), pos.cpu()].to(x.device)
         gap, gap_se = fisher_gap(net, x, pos, p_true, args.fisher_gap, DRAW_SEED)
-        row.update(fisher_gap=gap, fisher_gap_se=gap_se, fisher_gap_probes=args.fisher_gap)
+        row.update(fisher_gap=gap, fisher_gap_se=gap_se)
     with torch.no_grad(), measuring(net):
         row["loss"] = pretraining_loss(net, inputs, positions, targets).item()
-    row.update(n_sentences=len(inputs), n_samples=args.samples, n_repeats=args.repeats,
-               seed=DRAW_SEED, sentence_seed=SENTENCE_SEED, hvp_sentences=len(x),
-               eig_iters=args.eig_iters, sam_rho=SAM_RHO, n_params=model_lib.n_params(net),
-               device=args.device, wall_s=round(time.time() - t0, 2))
+    row.update(measured_settings(args), seed=DRAW_SEED, sentence_seed=SENTENCE_SEED,
+               sam_rho=SAM_RHO, n_params=model_lib.n_params(net),
+               wall_s=round(time.time() - t0, 2))
     return row
+
+
+def measured_settings(args):
+    """The settings a row records, by which a checkpoint measured already is skipped."""
+    return {"n_sentences": args.sentences, "n_samples": args.samples,
+            "n_repeats": args.repeats, "hvp_sentences": args.hvp_sentences,
+            "eig_iters": args.eig_iters, "device": args.device,
+            **({"fisher_gap_probes": args.fisher_gap} if args.fisher_gap else {})}
 
 
 def parse_args(argv=None):
@@ -640,13 +648,8 @@ def measure(args, written):
         print(f"Tr[∇²L] {rows[0][2]:.3f} -> {rows[-1][2]:.3f} while |loss - entropy| <= "
               f"{max(abs(r[1]) for r in rows):.3f} nats (O(lr) fluctuation around the manifold)")
         return
-    settings = {"n_sentences": args.sentences, "n_samples": args.samples,
-                "n_repeats": args.repeats, "hvp_sentences": args.hvp_sentences,
-                "eig_iters": args.eig_iters, "device": args.device,
-                **({"fisher_gap_probes": args.fisher_gap} if args.fisher_gap else {})}
-
     def settings_of(path):                         # the whole file is loaded: a damaged one stops
-        return {"step": train.load_checkpoint(path)[1]["step"], **settings}
+        return {"step": train.load_checkpoint(path)[1]["step"], **measured_settings(args)}
     train.measure_checkpoints(args.checkpoints, "hessian.jsonl", settings_of,
                               lambda path: measure_checkpoint(path, args), written)
 

@@ -161,9 +161,9 @@ def finetune(model, train_split, test_split, n_classes, seed, epochs=FT_EPOCHS, 
         params = list(net.parameters()) + list(head.parameters())
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
         total = epochs * math.ceil(len(tok) / batch_size)
-        schedule = argparse.Namespace(lr=1.0, warmup_steps=max(1, min(warmup, total // 10)),
-                                      steps=total, schedule="linear", decay_steps=0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: train.lr_at(s, schedule))
+        w = max(1, min(warmup, total // 10))           # BERT's: warm up over w steps, then decay
+        sched = torch.optim.lr_scheduler.LambdaLR(     # linearly to 0 at the last step
+            opt, lambda s: (s + 1) / w if s < w else (total - s) / max(1, total - w))
         for _ in range(epochs):
             perm = torch.randperm(len(tok), generator=g)
             for i in range(0, len(tok), batch_size):
@@ -325,24 +325,6 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
 
 
 # ----------------------------------------------------------------------------- the summary
-def read_jsonl(path, needs=("step",)):
-    """Rows of a JSON-lines file ([] if there is none); a one-line ValueError naming the file
-    and line where a line is not a JSON object with the keys `needs`."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
-    rows = []
-    for i, line in lines:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}, line {i}: not JSON ({e.msg})") from None
-        if not isinstance(rows[-1], dict) or not all(k in rows[-1] for k in needs):
-            raise ValueError(f"{path}, line {i}: not a row with {', '.join(needs)}")
-    return rows
-
-
 def summary_table(run_dirs, min_step=0, every=False):
     """(columns, rows): each run's metrics.jsonl (eval rows), hessian.jsonl and probe.jsonl
     joined by step, a row per step >= min_step with a hessian or probe row (every=True: per
@@ -368,14 +350,14 @@ def summary_table(run_dirs, min_step=0, every=False):
             pass
         except (json.JSONDecodeError, KeyError, TypeError):
             raise ValueError(f"{config} is not train.py's config.json") from None
-        evals = {r["step"]: r for r in read_jsonl(os.path.join(run, "metrics.jsonl"))
+        evals = {r["step"]: r for r in data.read_rows(os.path.join(run, "metrics.jsonl"))
                  if "eval_loss" in r}
-        hess = {r["step"]: r for r in read_jsonl(os.path.join(run, "hessian.jsonl"))}
+        hess = {r["step"]: r for r in data.read_rows(os.path.join(run, "hessian.jsonl"))}
         for r in hess.values():
             _check_same(seen, "hessian.py settings", name,
                         {k: r.get(k) for k in HESSIAN_SETTINGS}, os.path.join(run, "hessian.jsonl"))
         probes = {}
-        for r in read_jsonl(os.path.join(run, "probe.jsonl"), ("step", "method", "task")):
+        for r in data.read_rows(os.path.join(run, "probe.jsonl"), ("step", "method", "task")):
             setting = f"{r['method']}_{r['task']}"
             if r["method"] != "finetune" and "projection" in r and r["projection"] is None:
                 setting += "_noproj"                  # a different probe: its own column

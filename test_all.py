@@ -1394,7 +1394,8 @@ def test_model_grow_split_decides_whether_copies_part_under_adamw(arch):
 def _model_zero_filled_blocks(net):
     """App. B.1's depth construction taken literally: one block on top with every weight and
     bias zero, LayerNorms at gain 1 and bias 0."""
-    big = model.build(model.ModelConfig(**{**vars(net.config), "n_layers": net.config.n_layers + 1}))
+    deeper = model.ModelConfig(**{**vars(net.config), "n_layers": net.config.n_layers + 1})
+    big = model.build(deeper)
     big = big.to(torch.float64).eval()
     big.load_state_dict(net.state_dict(), strict=False)
     with torch.no_grad():
@@ -2113,7 +2114,7 @@ def test_metrics_cut_mid_line_resume_with_a_note(tmp_path, monkeypatch, capsys):
     steps = [json.loads(r)["step"] for r in metrics.read_text().splitlines()]
     assert steps == [1, 2, 3, 4], steps
     metrics.write_text('{"step": 1}\n{"st\n{"step": 2}\n')              # broken inside: refused
-    with pytest.raises(SystemExit, match=re.escape(f"{metrics}, line 2: not a JSON row")):
+    with pytest.raises(ValueError, match=re.escape(f"{metrics}, line 2: not a JSON row")):
         train.truncate_metrics(str(metrics), 4)
 
 
@@ -3920,7 +3921,7 @@ def test_probe_to_measure_lists_the_pairs_checkpoints_from_every_evaluated_one(t
     br-from1000's floor (0.0402), step 2000 the next; a checkpoint without a file is passed."""
     runs, _ = _probe_toy_chain(tmp_path)
     for run in runs:
-        for r in probe.read_jsonl(os.path.join(run, "metrics.jsonl")):
+        for r in data.read_rows(os.path.join(run, "metrics.jsonl")):
             open(train.ckpt_path(run, r["step"]), "w").close()
     run0 = os.path.join(str(tmp_path), "run-s0")
     with open(os.path.join(run0, "metrics.jsonl"), "a") as f:
@@ -3993,7 +3994,7 @@ def test_probe_compare_refuses_what_is_not_in_the_table(tmp_path, a, b, message)
     (["reprobed"], "reprobed's rows differ in probe.py linear_C settings (n_train 20 vs 10)"
      ": not comparable; summarise them apart, or delete the rows of the other setting from "),
     (["nope"], "not a run directory"),
-    (["a", "broken"], "probe.jsonl, line 2: not JSON"),
+    (["a", "broken"], "probe.jsonl, line 2: not a JSON row"),
     (["a", "rowless"], "hessian.jsonl, line 1: not a row with step"),
     (["a", "noconfig"], "config.json is not train.py's config.json"),
 ])
@@ -4163,7 +4164,7 @@ def test_probe_threads_flag(tmp_path):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(1)
-    assert len(probe.read_jsonl(str(tmp_path / "probe.jsonl"))) == 1     # the same: skipped
+    assert len(data.read_rows(str(tmp_path / "probe.jsonl"))) == 1     # the same: skipped
 
 
 def test_probe_cli_prints_the_row_without_per_sentence_counts(tmp_path, capsys):
@@ -4171,7 +4172,7 @@ def test_probe_cli_prints_the_row_without_per_sentence_counts(tmp_path, capsys):
     capsys.readouterr()
     probe.main([ckpt, *_PROBE_CLI_SMALL])
     printed = json.loads(capsys.readouterr().out)
-    (written,) = probe.read_jsonl(str(tmp_path / "probe.jsonl"))
+    (written,) = data.read_rows(str(tmp_path / "probe.jsonl"))
     assert len(written["n_correct"]) == 10 and "n_correct" not in printed
     assert printed == {k: v for k, v in written.items() if k != "n_correct"}
 
@@ -4778,14 +4779,14 @@ def test_repro_e2_model_size_chain(tmp_path, capsys):
                                   "--ckpt-every", "4")
     grown, c_grown = _repro_grow(tmp_path, "e2-h16-grown2", c_small[-1], "--grow-width", "2",
                                  "--steps", "0")
-    evals = lambda run: [r for r in probe.read_jsonl(os.path.join(run, "metrics.jsonl"))
+    evals = lambda run: [r for r in data.read_rows(os.path.join(run, "metrics.jsonl"))
                          if "kl" in r]
     assert abs(evals(grown)[0]["eval_loss"] - evals(small)[-1]["eval_loss"]) < 1e-6  # same function
     _repro_measure(c_small + c_large + c_grown)
     rows, _ = _repro_summary(tmp_path, [small, large, grown], capsys)
     _repro_check(rows, [("e2-h16", 4), ("e2-h32", 4), ("e2-h16-grown2", 0)])
     h = {os.path.basename(os.path.dirname(r["ckpt"])): r for d in (small, large, grown)
-         for r in probe.read_jsonl(os.path.join(d, "hessian.jsonl"))}
+         for r in data.read_rows(os.path.join(d, "hessian.jsonl"))}
     assert h["e2-h16-grown2"]["n_params"] == h["e2-h32"]["n_params"] > h["e2-h16"]["n_params"]
 
 
@@ -4813,7 +4814,7 @@ def test_repro_e3_training_algorithms_chain(tmp_path, capsys):
                  lookup_runs=("lookup",))
     lookup = [r for r in rows if r["run"] == "lookup"][0]
     assert abs(float(lookup["kl"])) < 1e-9
-    assert any("adv_loss" in r for r in probe.read_jsonl(os.path.join(runs["adversarial"][0],
+    assert any("adv_loss" in r for r in data.read_rows(os.path.join(runs["adversarial"][0],
                                                                        "metrics.jsonl")))
 
 

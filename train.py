@@ -139,7 +139,9 @@ def training_objective(objective, inputs, targets, V, args, task_tokens=None, ta
     """(L_MLM, the objective the update minimises, loss_D2 or None) for one batch: L_MLM (§2.1),
     or L_MLM - lambda * loss_D2 for the adversarial algorithm (App. A.4). With one masked word
     per sentence the network computes the logits at that position only (model.py's `at`)."""
-    at = None if args.mask_rate is not None else (targets != -100).int().argmax(1)   # (B,)
+    at = None                          # --mask-rate: every position's logits
+    if args.mask_rate is None:         # one masked word per row: the column of its one target,
+        at = (targets != -100).int().argmax(1)   # (B,) found by argmax (nonzero would sync a GPU)
     logits, feats = objective(inputs, at, task_tokens)
     if at is not None:                           # (B, 1, vocab) and (B, 1): mlm_loss's shapes
         logits, targets = logits[:, None], targets.gather(1, at[:, None])
@@ -152,8 +154,9 @@ def training_objective(objective, inputs, targets, V, args, task_tokens=None, ta
 
 
 class Objective(nn.Module):
-    """The network plus what one step needs from it, in one forward, so DistributedDataParallel
-    sees a single forward and averages the gradient of the whole objective across ranks."""
+    """The step's one forward pass through the network: the MLM logits of the batch and, for the
+    adversarial algorithm, the features of the task sentences D1 and D2 (another batch). One
+    call, because DistributedDataParallel averages the gradients of one forward across ranks."""
 
     def __init__(self, net):
         super().__init__()
@@ -462,16 +465,19 @@ def parse_args(argv=None):
     a("--lang-seed", type=SEED, default=0, help="seed of the random language (default 0)")
     a("--preset", default="lstm-small", help="model size (python model.py lists them)")
     a("--n-layers", type=SIZE_CAP, help="override the preset's transformer blocks / LSTM layers")
-    a("--n-heads", type=SIZE_CAP, help="override the preset's attention heads (d = head_dim * heads)")
+    a("--n-heads", type=SIZE_CAP, help="override the preset's attention heads (d = head_dim x "
+      "heads)")
     a("--lstm-hidden", type=SIZE_CAP, help="override the preset's LSTM size per direction (d = 2x)")
     a("--grow-from", metavar="CKPT", help="start from model.grow(CKPT's model) (App. B.1.3)")
-    a("--grow-width", type=data.int_flag(1, 64), default=2, help="with --grow-from: width factor (default 2)")
+    a("--grow-width", type=data.int_flag(1, 64), default=2,
+      help="with --grow-from: width factor (default 2)")
     a("--grow-layers", type=NATURAL, default=0, help="with --grow-from: transformer blocks added")
     a("--grow-split", choices=model.SPLITS, default="random", metavar="S", help="with --grow-from:"
-      " random (default: copies can part) or even (they never do)")
+      " random (default: copies can part) or even")
     a("--algo", default="adamw", choices=ALGOS, metavar="S", help=f"{', '.join(ALGOS)}")
     a("--steps", type=NATURAL, default=3000, help="updates (default 3000; --resume: extends)")
-    a("--batch", type=data.int_flag(1, 2 ** 20), default=256, help="global batch in sentences, split over processes")
+    a("--batch", type=data.int_flag(1, 2 ** 20), default=256,
+      help="global batch in sentences, split over processes")
     a("--lr", type=POSITIVE, default=1e-2, help="peak lr (default 1e-2; the paper's 1e-3)")
     a("--warmup", type=data.float_flag(0, 0.999999), help="warm-up fraction of --steps "
       "(default 0.06; sgd 0.12)")
@@ -797,14 +803,9 @@ def append_row(run_dir, row):
 
 
 def already_measured(path, row):
-    """Whether the JSON-lines file `path` (hessian.jsonl, probe.jsonl) holds a row with the
-    entries of `row` (a checkpoint's step and the settings that made it)."""
-    try:
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    except (OSError, ValueError):
-        return False
-    return any(isinstance(r, dict) and all(r.get(k) == v for k, v in row.items()) for r in rows)
+    """Whether the rows file `path` (hessian.jsonl, probe.jsonl) holds a row with the entries of
+    `row` (a checkpoint's step and the settings that made it)."""
+    return any(all(r.get(k) == v for k, v in row.items()) for r in data.read_rows(path))
 
 
 def measure_checkpoints(paths, rows, settings_of, measure, written, shown=lambda row: row):
@@ -831,25 +832,10 @@ def measured_so_far(written, verb, rows):
 
 
 def truncate_metrics(path, step):
-    """Drop metric rows after `step`, logged by a run killed after its last checkpoint, and a
-    last line cut in half by the kill (with a note); any other broken line is an error."""
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        lines = f.read().split("\n")
-    rows = []
-    for no, line in enumerate(lines, 1):
-        try:
-            row = json.loads(line) if line.strip() else None
-        except json.JSONDecodeError:
-            row = None
-            if any(rest.strip() for rest in lines[no:]):
-                raise SystemExit(f"train.py: {path}, line {no}: not a JSON row; delete that line "
-                                 f"to resume") from None
-            print(f"train.py: {path}: dropped its half-written last line", file=sys.stderr)
-        if isinstance(row, dict) and row.get("step", step + 1) <= step:
-            rows.append(json.dumps(row) + "\n")
-    data.write_whole(path, lambda f: f.writelines(rows), mode="w")
+    """Drop metric rows after `step`, logged by a run killed after its last checkpoint."""
+    if os.path.isfile(path):
+        rows = [json.dumps(r) + "\n" for r in data.read_rows(path) if r["step"] <= step]
+        data.write_whole(path, lambda f: f.writelines(rows), mode="w")
 
 
 def fmt_time(s):
