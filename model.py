@@ -88,7 +88,7 @@ PRESETS = {
     "tf-235m": dict(arch="transformer", n_heads=16, n_layers=16),
     "tf-730m": dict(arch="transformer", n_heads=24, n_layers=24),
     "lstm-small": dict(arch="lstm", lstm_hidden=32, n_layers=2),  # CPU: "hmm-small"
-    "lstm-4m": dict(arch="lstm", lstm_hidden=128, n_layers=10),  # §3: "the smallest 4M model"
+    "lstm-4m": dict(arch="lstm", lstm_hidden=128, n_layers=10),  # §2.3: "the smallest 4M model"
     "lstm-10m": dict(arch="lstm", lstm_hidden=192, n_layers=12),
     "lstm-36m": dict(arch="lstm", lstm_hidden=512, n_layers=6),
     "lstm-135m": dict(arch="lstm", lstm_hidden=640, n_layers=14),

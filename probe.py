@@ -218,7 +218,8 @@ def paired_difference(n_correct_a, n_correct_b, n_probe_seeds):
     shared test sentences, how many of the n_probe_seeds probe seeds got it right (probe.jsonl's
     n_correct). With c = n_correct / n_probe_seeds and d_i = c_B,i - c_A,i in one run:
         diff = mean_i d_i,   se = std_i(d_i, ddof=1) / sqrt(n)
-    (the exact standard error of a mean of n paired differences: test-set noise; probe-seed
+    (the sample estimate of the standard error of a mean of n paired differences: test-set
+    noise; probe-seed
     noise is averaged into c). Across the k runs: mean = mean of the diffs, se_mean = their
     std (ddof=1) / sqrt(k), None for k = 1.
     """

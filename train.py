@@ -13,7 +13,7 @@ fixed held-out set, with its standard error, goes to metrics.jsonl.
   python train.py --branch-from runs/e1/ckpt_0006000.pt --decay-steps 1000   # lr decayed to 0
   python train.py --grow-from runs/e1/ckpt_0003000.pt --grow-width 2   # model.grow (App. B.1.3)
   python train.py --precision bf16                  # bf16 autocast: faster on CPUs with bf16 units
-  torchrun --nproc_per_node=8 train.py --device cuda --compile --lr 1e-3 ...   # DDP on GPUs
+  torchrun --nproc_per_node=8 train.py --device cuda --lr 1e-3 ...   # DDP (not yet run on GPUs)
 
 Writes runs/NAME/: config.json, metrics.jsonl (a JSON row per log step), ckpt_0000500.pt, ...
 (dicts for torch.load(weights_only=True): all that resuming, hessian.py and probe.py need).
@@ -171,7 +171,8 @@ class Objective(nn.Module):
 def make_optimizer(net, args):
     """AdamW with the Izsak et al. (2021) recipe of App. A.3 (weight decay on weight matrices
     and embeddings, none on biases and LayerNorm: academic-budget-bert's no_decay list), or
-    plain SGD (App. B.3). The paper's lr 1e-3 is for 2M-730M models; 1e-2 suits the CPU ones."""
+    plain SGD (App. B.3). The paper's lr 1e-3 is for 2M-730M models; the CPU presets train at
+    1e-2 (lstm-small, the default) and 5e-3 (tf-deep)."""
     if args.algo == "sgd":
         return torch.optim.SGD(net.parameters(), lr=args.lr)
     decay = [p for p in net.parameters() if p.dim() >= 2]
@@ -188,7 +189,7 @@ def lr_at(i, args):
       args.schedule "linear" falls linearly to 0 at update n: lr * (n - i) / max(1, n - w),
           whatever N (it decays already), or
       args.schedule "const" stays at lr, except that its last N updates (if N > 0) fall linearly:
-          lr * (n - i) / N for i >= n - N (warmup-stable-decay: the decay branches of README E1)."""
+          lr * (n - i) / N for i >= n - N (warmup-stable-decay: --branch-from's decay branches)."""
     # BEGIN EXERCISE lr_schedule
     w = args.warmup_steps
     if i < w:
