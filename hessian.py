@@ -407,6 +407,8 @@ def vmappable(net):
             if isinstance(child, nn.LSTM):
                 lstms.append(FunctionalLSTM(child))
                 setattr(m, child_name, lstms[-1])
+    if isinstance(net, model_lib.LSTM):            # no packing: FunctionalLSTM masks padding
+        net.features = lambda tokens: net.lstm(net.drop(net.embed(tokens)))[0]
     pad = getattr(getattr(net, "config", None), "pad_id", None)
     if pad is not None:
         def set_keep(module, args):

@@ -234,9 +234,7 @@ class LSTM(nn.Module):
         """Top layer's [forward, backward] states, [B, T, 2H]."""
         keep = _keep_mask(tokens, self.config)
         x = self.drop(self.embed(tokens))  # (B, T, H)
-        # No padding (fixed-length HMM sentences), or hessian.py's vmappable stand-in for nn.LSTM
-        # (it applies the padding mask itself; `or` keeps vmap away from the data-dependent test).
-        if not isinstance(self.lstm, nn.LSTM) or bool(keep.all()):
+        if bool(keep.all()):  # no padding (fixed-length HMM sentences): nothing to pack
             return self.lstm(x)[0]
         lengths = keep.sum(1).cpu()  # padding is a suffix
         packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
