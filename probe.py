@@ -315,14 +315,22 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
         accs.append(correct.float().mean().item())
         print(f"[probe] {path}: {method} seed {s + 1}/{n_seeds} acc {accs[-1]:.4f} "
               f"({time.time() - t0:.1f}s)", file=sys.stderr, flush=True)
-    return {"ckpt": path, "step": int(ckpt["step"]), "task": str(task), "method": method,
+    return {"ckpt": path, **probe_settings(ckpt["step"], task, method, n_train, n_test, n_seeds,
+                                           proj_dim, epochs),
             "acc": float(np.mean(accs)),
             "acc_std": float(np.std(accs, ddof=1)) if n_seeds > 1 else None,
-            "accs": accs, "n_train": n_train, "n_test": n_test, "seeds": list(range(n_seeds)),
-            "data_seed": DATA_SEED, "kind": ckpt["kind"], "language": lang.spec()["kind"],
-            "n_classes": n_classes, "projection": None if method == "finetune" else proj_dim,
-            "epochs": epochs, "lr": FT_LR if method == "finetune" else LINEAR_LR,
+            "accs": accs, "data_seed": DATA_SEED, "kind": ckpt["kind"],
+            "language": lang.spec()["kind"], "n_classes": n_classes,
+            "lr": FT_LR if method == "finetune" else LINEAR_LR,
             "n_correct": n_correct.tolist(), "wall_s": round(time.time() - t0, 2)}
+
+
+def probe_settings(step, task, method, n_train, n_test, n_seeds, proj_dim, epochs):
+    """The settings a row records, by which a checkpoint probed already is skipped."""
+    return {"step": int(step), "task": str(task), "method": method, "n_train": n_train,
+            "n_test": n_test, "seeds": list(range(n_seeds)),
+            "projection": None if method == "finetune" else proj_dim,
+            "epochs": epochs or (FT_EPOCHS if method == "finetune" else LINEAR_EPOCHS)}
 
 
 # ----------------------------------------------------------------------------- the summary
@@ -742,21 +750,19 @@ def measure(args, written):
         if args.plot:
             plot_summary(table, args.plot, pairs)
         return
+    proj_dim = None if args.no_projection else PROJ_DIM
+
     def settings_of(path):
         ckpt = train.read_checkpoint(path)
         task, _ = checked_task(path, ckpt, data.language_from_spec(ckpt["language"]),
                                args.task, args.method)
-        return {"step": int(ckpt["step"]), "task": str(task), "method": args.method,
-                "n_train": args.n_train, "n_test": args.n_test,
-                "seeds": list(range(args.seeds)), "epochs": args.epochs or (
-                    FT_EPOCHS if args.method == "finetune" else LINEAR_EPOCHS),
-                "projection": None if args.no_projection or args.method == "finetune"
-                else PROJ_DIM}
+        return probe_settings(ckpt["step"], task, args.method, args.n_train, args.n_test,
+                              args.seeds, proj_dim, args.epochs)
     cache = {}
     train.measure_checkpoints(
         args.paths, "probe.jsonl", settings_of, lambda path: probe_checkpoint(
-            path, args.task, args.method, args.n_train, args.n_test, args.seeds,
-            None if args.no_projection else PROJ_DIM, args.epochs, args.device, cache),
+            path, args.task, args.method, args.n_train, args.n_test, args.seeds, proj_dim,
+            args.epochs, args.device, cache),
         written, shown=lambda row: {k: v for k, v in row.items() if k != "n_correct"})
 
 
