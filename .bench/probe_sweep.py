@@ -18,8 +18,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import probe  # noqa: E402
 import train  # noqa: E402
 
-# (n_train, epochs): each size at E and 2E epochs (batch 512: 500 sentences take 1 step an epoch)
-GRID = [(500, 400), (500, 800), (4000, 100), (4000, 200), (16000, 50), (16000, 100)]
+# (n_train, epochs), epochs doubling per size (batch 512: 500 sentences take 1 step an epoch)
+GRID = [(500, 400), (500, 800), (4000, 100), (4000, 200), (4000, 400), (4000, 800),
+        (16000, 50), (16000, 100), (16000, 200), (16000, 400)]
 
 
 def main():
