@@ -699,8 +699,8 @@ def start_run(args):
         print(f"{run_dir} is complete: {args.resume} is at step {ckpt['step']} of {args.steps} "
               f"(--steps N, larger, extends a --schedule const run)")
         return None
-    if net is not None and net.config.arch == "lstm" and bf16(args, torch.device(args.device)) \
-            and args.device == "cpu" and not cpu_has_bf16():
+    if (net is not None and net.config.arch == "lstm" and args.device == "cpu"
+            and bf16(args, torch.device("cpu")) and not cpu_has_bf16()):
         raise SystemExit("train.py: --precision bf16: PyTorch's bf16 LSTM on a CPU needs bf16 "
                          "units (avx512_bf16, amx), which this CPU lacks; use --precision fp32")
     ev = make_eval_set(lang, args.eval_n) if rank == 0 else None
