@@ -55,7 +55,8 @@ SCRIPTS = ("data.py", "model.py", "train.py", "hessian.py", "probe.py", "dyck_th
 # what the README links to: the results, the benchmarks, the figures
 LINKED = tuple(sorted(f"{d}/{f}" for d in (".bench", ".assets")
                       for f in (os.listdir(os.path.join(ROOT, d))
-                                if os.path.isdir(os.path.join(ROOT, d)) else [])))
+                                if os.path.isdir(os.path.join(ROOT, d)) else [])
+                      if os.path.isfile(os.path.join(ROOT, d, f))))     # no __pycache__/
 COPIED = SCRIPTS + ("test_all.py", "README.md", "requirements.txt", ".ci/handout.py") + LINKED
 BEGIN = re.compile(r"^(\s*)# BEGIN EXERCISE (\S+)(?: requires((?: \S+)+))?\s*$")
 END = re.compile(r"^(\s*)# END EXERCISE (\S+)\s*$")
