@@ -16,10 +16,11 @@
 #            training sentences, 400 epochs, no projection (near convergence) and 500, 400 (a
 #            budget-limited probe: sample efficiency), at every checkpoint a pair or the
 #            embedding uses;
-#   report   each run's steps, plateau exit and last KL; the rows come back in rows.tar.gz for
-#            probe.py --summary --compare (one probe setting at a time).
+#   report   each run's steps, plateau exit and last KL; per probe setting, the pairs
+#            (probe.py --summary --compare on a copy of the rows of that setting).
 # Every phase skips what is done, so a second call continues where the first stopped.
-#   DEVICE=cuda OUT=out bash .bench/gpu_e2.sh                (one device call, ~9 minutes)
+#   DEVICE=cuda OUT=out bash .bench/gpu_e2.sh        (~9.5 minutes on an H100: trains, decays,
+#   DEVICE=cuda OUT=out END=190 bash .bench/gpu_e2.sh  starts measuring; the second call ends it)
 #   DEVICE=cpu TRAIN_LIMIT=40 DECAY=50 SEEDS="0 1" SIZES="1x1:5e-3 1x2:5e-3 2x2:5e-3" \
 #     N_PROBE=200 WARMUP=0.001 EVERY=20 END=200 bash .bench/gpu_e2.sh     (a dry run, every phase)
 set -u
@@ -119,7 +120,23 @@ print(f"{os.path.basename(sys.argv[1]):12s} last step {rows[-1]['step']:6d}  lea
       f"{exit_}  last KL {rows[-1]['kl']:.4f} ± {rows[-1]['kl_se']:.4f}")
 EOF
   done
-  wc -l "$RUNS"/*/hessian.jsonl "$RUNS"/*/probe.jsonl
+  for n in "$N_PROBE" 500; do   # probe.py --summary takes one probe setting at a time
+    rm -rf "$RUNS-n$n"
+    python - "$RUNS" "$n" <<'PY'
+import glob, json, os, shutil, sys
+runs, n = sys.argv[1], int(sys.argv[2])
+for f in glob.glob(f"{runs}/*/probe.jsonl"):
+    keep = [r for r in map(json.loads, open(f)) if r["n_train"] == n]
+    run = f"{runs}-n{n}/{os.path.basename(os.path.dirname(f))}"
+    os.makedirs(run)
+    for other in ("metrics.jsonl", "config.json", "hessian.jsonl"):
+        if os.path.exists(os.path.join(os.path.dirname(f), other)):
+            shutil.copy(os.path.join(os.path.dirname(f), other), run)
+    open(f"{run}/probe.jsonl", "w").write("".join(json.dumps(r) + "\n" for r in keep))
+PY
+    echo "== the probe on $n training sentences"
+    python probe.py --summary "$RUNS-n$n"/* "${COMPARE[@]}" | sed -n '/^paired/,$p'
+  done
 } > "$OUT/report.txt" 2>&1
 cat "$OUT/report.txt"
 grep -il "error\|traceback" "$OUT"/*.log | head
