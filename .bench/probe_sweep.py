@@ -6,6 +6,7 @@ training sentences (how far it fits them), and the seconds it took. A converged 
 by < 0.3 points when its epochs double. Sentences come from probe.downstream_data, the same for
 every setting (the first n_train of the largest training set).
     python .bench/probe_sweep.py A.pt B.pt [--n-test 4000] [--seeds 3]
+    python .bench/probe_sweep.py A.pt B.pt --grid 500:400,500:1600,500:6400 --no-projection
 """
 import argparse
 import os
@@ -30,9 +31,12 @@ def main():
     p.add_argument("--task", default="A")
     p.add_argument("--n-test", type=int, default=4000)
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--grid", type=lambda v: [tuple(map(int, c.split(":"))) for c in v.split(",")],
+                   default=GRID, help="N_TRAIN:EPOCHS,... (default: the grid above)")
+    p.add_argument("--no-projection", action="store_true", help="only without the projection")
     args = p.parse_args()
     torch.set_num_threads(1)
-    n_max = max(n for n, _ in GRID)
+    n_max = max(n for n, _ in args.grid)
     feats, labels = {}, None
     for name, path in (("A", args.a), ("B", args.b)):
         net, ckpt, lang = train.load_checkpoint(path)
@@ -45,8 +49,8 @@ def main():
         print(f"{name}: {path} (step {ckpt['step']})", flush=True)
     print(f"{'n_train':>7} {'epochs':>6} {'proj':>5} | {'acc A':>6} {'acc B':>6} "
           f"{'B - A, points':>15} | {'train acc A, B':>14} | seconds")
-    for proj in (probe.PROJ_DIM, None):
-        for n_train, epochs in GRID:
+    for proj in (None,) if args.no_projection else (probe.PROJ_DIM, None):
+        for n_train, epochs in args.grid:
             t0, correct, fit = time.time(), {}, {}
             for name in ("A", "B"):
                 (x, x_t), (y, y_t) = feats[name], labels
