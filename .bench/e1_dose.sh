@@ -43,4 +43,5 @@ for k in 3 20; do
     python train.py --branch-from "$(ckpt "$run" "$b")" --decay-steps 1000 --ckpt-every 25 \
       --eval-every 25 --runs "$R" --name "dose-b$k-s$s"
 done
-echo "seed $s: leaves the plateau at step $P; floor from $(( up + 3000 )), branch from $(( up + 20000 ))"
+echo "seed $s: leaves the plateau at step $P; floor from $(( up + 3000 )),"\
+  "branch from $(( up + 20000 ))"

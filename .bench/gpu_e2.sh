@@ -78,7 +78,7 @@ for i in $(seq 0 $(( ${#SZ[@]} - 2 ))); do for j in $(seq $((i + 1)) $(( ${#SZ[@
   COMPARE+=(--compare "$(name "${SZ[$i]}")f@last" "$(name "${SZ[$j]}")*@kl")
 done; done
 PROBES=("--n-train $N_PROBE --epochs 400" "--n-train 500 --epochs 400")
-left() { echo $(( END - $(date +%s) + t0 )); }
+left() { local l=$(( END - $(date +%s) + t0 )); echo $(( l > 0 ? l : 1 )); }  # timeout 0: none
 pairs() {  # SEED: the checkpoints of each planned pair, A and its best-matched B
   python - "$RUNS" "$1" "${COMPARE[@]}" <<'PY'
 import glob, sys
