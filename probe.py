@@ -569,6 +569,11 @@ def _fmt_fit(stats, key):
     return f"{r2:.3f} ({'+' if slope > 0 else '-' if slope < 0 else '0'})"
 
 
+def probed_settings(table):
+    """The probe settings (method_task) measured in any row of the table, first seen first."""
+    return list(dict.fromkeys(s for r in table for s in r["n_correct"]))
+
+
 def print_summary(columns, table, csv_path=None, comparisons=()):
     """Print the table; per probe setting and group of runs (and pooled over groups) the R² and
     slope sign of accuracy on the trace, on KL and on log KL and the trace's partial r² given
@@ -576,7 +581,9 @@ def print_summary(columns, table, csv_path=None, comparisons=()):
     cells = [columns] + [[_fmt(r.get(c)) for c in columns] for r in table]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     print("\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells))
-    settings = list(table[0]["n_correct"]) if table else []
+    settings = probed_settings(table)
+    if comparisons and not settings:
+        raise ValueError("--compare: no checkpoint of these runs has been probed")
     for acc in [f"{s}_acc" for s in settings]:
         print(f"{acc}: R² (slope sign) on trace | on KL | on log KL | partial r² of trace "
               f"given KL")
@@ -620,7 +627,7 @@ def plot_summary(table, path, pairs=()):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    acc = f"{next(iter(table[0]['n_correct']), '')}_acc"
+    acc = f"{next(iter(probed_settings(table)), '')}_acc"
     if pairs:
         return plot_pairs(table, pairs, acc, path, plt)
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))

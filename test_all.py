@@ -3827,6 +3827,23 @@ def _probe_seeded_runs(tmp_path):
     return runs, differences
 
 
+def test_probe_summary_settings_come_from_every_run(tmp_path, capsys):
+    """A run with no probe rows (a trace only) listed first leaves the others' settings in the summary; with
+    no probed checkpoint at all, --compare is a one-line error."""
+    runs, differences = _probe_seeded_runs(tmp_path)
+    bare = tmp_path / "e1-s9"
+    bare.mkdir()
+    for name in ("metrics.jsonl", "hessian.jsonl"):                  # measured, never probed
+        (bare / name).write_text(open(os.path.join(runs[0], name)).read())
+    columns, table = probe.summary_table([str(bare)] + runs)
+    assert probe.probed_settings(table) == ["linear_C"]
+    probe.print_summary(columns, table, comparisons=[("e1@1000", "e1@last")])
+    assert f"diff {differences[0].mean():+.4f}" in capsys.readouterr().out
+    columns, table = probe.summary_table([str(bare)])
+    with pytest.raises(ValueError, match="no checkpoint of these runs has been probed"):
+        probe.print_summary(columns, table, comparisons=[("e1@1000", "e1@last")])
+
+
 def test_probe_summary_paired_comparison_across_seeds(tmp_path, capsys):
     """--compare pairs checkpoints of the same training seed (runs GROUP-sSEED) on the same test
     sentences; `kl` picks B's checkpoint of nearest KL and says whether it is matched."""

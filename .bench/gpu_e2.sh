@@ -19,15 +19,15 @@
 #   report   each run's steps, plateau exit and last KL; per probe setting, the pairs
 #            (probe.py --summary --compare on a copy of the rows of that setting).
 # Every phase skips what is done, so a second call continues where the first stopped.
-#   DEVICE=cuda OUT=out bash .bench/gpu_e2.sh        (~9.5 minutes on an H100: trains, decays,
-#   DEVICE=cuda OUT=out END=190 bash .bench/gpu_e2.sh  starts measuring; the second call ends it)
+#   DEVICE=cuda OUT=out bash .bench/gpu_e2.sh        (~10 minutes on an H100: trains, decays,
+#   DEVICE=cuda OUT=out END=240 bash .bench/gpu_e2.sh  starts measuring; the second call ends it)
 #   DEVICE=cpu TRAIN_LIMIT=40 DECAY=50 SEEDS="0 1" SIZES="1x1:5e-3 1x2:5e-3 2x2:5e-3" \
 #     N_PROBE=200 WARMUP=0.001 EVERY=20 END=200 bash .bench/gpu_e2.sh     (a dry run, every phase)
 set -u
-DEVICE=${DEVICE:-cuda} OUT=${OUT:-out} RUNS=${RUNS:-runs-e2} TRAIN_LIMIT=${TRAIN_LIMIT:-340}
+DEVICE=${DEVICE:-cuda} OUT=${OUT:-out} RUNS=${RUNS:-runs-e2} TRAIN_LIMIT=${TRAIN_LIMIT:-420}
 DECAY=${DECAY:-500} SEEDS=${SEEDS:-"0 1 2 3 4 5"} SIZES=${SIZES:-"4x4:5e-3 8x4:2e-3 8x8:1e-3"}
-N_PROBE=${N_PROBE:-4000} END=${END:-560} WARMUP=${WARMUP:-0.02}
-EVERY=${EVERY:-250}
+N_PROBE=${N_PROBE:-4000} END=${END:-585} WARMUP=${WARMUP:-0.02}
+EVERY=${EVERY:-250} FAST=${FAST:---fused-attention}   # FAST="": the manual attention
 mkdir -p "$OUT" "$RUNS"
 export PYTHONUNBUFFERED=1
 read -r -a SZ <<< "$SIZES"
@@ -37,16 +37,23 @@ t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 
 stamp "train: ${#SZ[@]} sizes x seeds $SEEDS, $TRAIN_LIMIT s"
+( while sleep 15; do   # is the GPU or the CPU the limit? (load average over 16 cores)
+    echo "$(( $(date +%s) - t0 )) s load $(cut -d' ' -f1 /proc/loadavg) gpu" \
+      "$(nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader 2>/dev/null)"
+  done >> "$OUT/monitor.log" ) &
+monitor=$!
 for sz in "${SZ[@]}"; do for s in $SEEDS; do
   run=$(name "$sz")-s$s size=${sz%%:*}
   [ -e "$RUNS/$run/trained" ] && continue
   ( timeout "$TRAIN_LIMIT" python train.py --lang pcfg-deep --preset tf-small --batch 512 \
       --n-layers "${size%x*}" --n-heads "${size#*x}" --lr "${sz#*:}" --schedule const \
       --warmup "$WARMUP" --steps 30000 --ckpt-every "$EVERY" --eval-every "$EVERY" --seed "$s" \
-      --device "$DEVICE" --runs "$RUNS" --name "$run" > "$OUT/train-$run.log" 2>&1
+      --device "$DEVICE" --runs "$RUNS" --name "$run" $FAST > "$OUT/train-$run.log" 2>&1
     touch "$RUNS/$run/trained" ) &
 done; done
-wait
+pids=$(jobs -p | grep -vx "$monitor")
+[ -z "$pids" ] || wait $pids
+kill "$monitor" 2>/dev/null
 
 stamp "floors: the last checkpoint of each run decays over $DECAY steps"
 for sz in "${SZ[@]}"; do for s in $SEEDS; do
