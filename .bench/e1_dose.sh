@@ -8,9 +8,16 @@
 #              with KL < 0.3 (every 250 steps); a floor decayed from P + 3000 over 1000 steps
 #              (A) against the branch from P + 20000, decayed over 1000 steps and evaluated every
 #              25, at its checkpoint of nearest KL (B): a dose of 17,000 high-lr steps.
+#   measure    the construct pair's A, B and next-best B: hessian.py --fisher-gap 30 (Tr F and
+#              Tr H); the root (task A), 8,000 test sentences, 3 probe seeds, no projection: the
+#              linear probe on 4,000 sentences for 400 epochs (converged, at the ceiling) and on
+#              500 for 400 (a fixed budget: sample efficiency); fine-tuning on 4,000 and on 500.
+#   report     per seed and across seeds: the pair, its traces, B - A per probe setting.
 # Each step skips what exists, so a stopped chain continues where it stopped.
 #   bash .bench/e1_dose.sh low SEED          (RUNS=folder, default runs; one thread)
 #   bash .bench/e1_dose.sh construct SEED
+#   bash .bench/e1_dose.sh measure SEED
+#   bash .bench/e1_dose.sh report SEED ...
 set -eu
 way=$1 s=$2 R=${RUNS:-runs} LOW=${LOW:-1e-3}
 MODEL="--lang pcfg-deep --preset tf-deep --batch 512 --precision fp32 --runs $R"
@@ -25,6 +32,82 @@ train_to() {  # RUN STEPS LR EVAL_EVERY: a constant run to STEPS, resumed if it 
       --ckpt-every 1000 --eval-every "$4" --seed "$s" --name "$1"
   fi
 }
+if [ "$way" = measure ]; then
+  pair=$(python probe.py --summary "$R/dose-b3-s$s" "$R/dose-b20-s$s" --compare dose-b3@last \
+    dose-b20@kl --to-measure)
+  python hessian.py $pair --fisher-gap 30
+  for n in 4000 500; do
+    python probe.py $pair --task A --n-test 8000 --seeds 3 --no-projection --n-train $n \
+      --epochs 400
+    python probe.py $pair --task A --n-test 8000 --seeds 3 --method finetune --n-train $n
+  done
+  exit 0
+fi
+if [ "$way" = report ]; then
+  shift
+  python - "$R" "$@" <<'PY'
+import json, math, sys
+import numpy as np
+import probe
+R, seeds = sys.argv[1], sys.argv[2:]
+T95 = [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18]   # df 1..12
+rows = lambda run, f: [json.loads(l) for l in open(f"{R}/{run}/{f}")]
+SETTINGS = [(m, n) for m in ("linear", "finetune") for n in (4000, 500)]
+gains = {k: [] for k in SETTINGS}
+ratios = []
+for s in seeds:
+    a_run, b_run = f"dose-b3-s{s}", f"dose-b20-s{s}"
+    evals = lambda run: [r for r in rows(run, "metrics.jsonl") if "kl" in r]
+    A = evals(a_run)[-1]
+    probed = {r["step"] for r in rows(b_run, "probe.jsonl") if r["n_test"] == 8000}
+    ranked, margin = probe.match_kl(A["kl"], A["kl_se"],
+                                    [r for r in evals(b_run) if r["step"] in probed])
+    B = ranked[0]
+    tr = {(run, r["step"]): r for run in (a_run, b_run) for r in rows(run, "hessian.jsonl")}
+    ha, hb = tr[a_run, A["step"]], tr[b_run, B["step"]]
+    th = lambda h: h["trace"] + h["fisher_gap"]
+    print(f"seed {s}: A {a_run}@{A['step']} KL {A['kl']:.4f} ± {A['kl_se']:.4f}, B {b_run}@"
+          f"{B['step']} KL {B['kl']:.4f} ± {B['kl_se']:.4f} ({margin:.1f} se"
+          f"{', matched' if margin < 2 else ', NOT matched'}), dose {B['step'] - A['step']}")
+    print(f"  Tr F {ha['trace']:.1f} ± {ha['trace_std']:.1f} -> {hb['trace']:.1f} ± "
+          f"{hb['trace_std']:.1f} ({hb['trace'] / ha['trace']:.2f}x); Tr H {th(ha):.1f} ± "
+          f"{ha['fisher_gap_se']:.1f} -> {th(hb):.1f} ± {hb['fisher_gap_se']:.1f} "
+          f"({th(hb) / th(ha):.2f}x)")
+    for m, n in SETTINGS:
+        got = lambda run, step: next((r for r in rows(run, "probe.jsonl") if r["step"] == step
+                                      and r["method"] == m and r["n_train"] == n
+                                      and r["n_test"] == 8000), None)
+        pa, pb = got(a_run, A["step"]), got(b_run, B["step"])
+        if pa is None or pb is None:
+            print(f"  {m} {n}: not measured")
+            continue
+        (d,), (se,), _, _ = probe.paired_difference([pa["n_correct"]], [pb["n_correct"]],
+                                                    len(pa["seeds"]))
+        print(f"  {m:8s} on {n:4d}: acc {pa['acc']:.4f} -> {pb['acc']:.4f}, B - A "
+              f"{100 * d:+.2f} ± {100 * se:.2f} points")
+        if margin < 2:
+            gains[m, n].append(100 * d)
+    if margin < 2:
+        ratios.append(math.log(hb["trace"] / ha["trace"]))
+print(f"across the matched seeds ({len(ratios)}): Tr F ratio "
+      f"{', '.join(f'{math.exp(r):.2f}' for r in ratios)}")
+for (m, n), g in gains.items():
+    g = np.array(g)
+    if len(g) < 2:
+        print(f"  {m} {n}: {len(g)} matched seed(s), no interval")
+        continue
+    se = g.std(ddof=1) / math.sqrt(len(g))
+    t = T95[min(len(g) - 2, len(T95) - 1)]
+    lo, hi = g.mean() - t * se, g.mean() + t * se
+    r = f"{np.corrcoef(g, ratios)[0, 1]:+.2f}" if len(g) > 2 else "-"
+    print(f"  {m:8s} on {n:4d}: B - A {g.mean():+.2f} ± {se:.2f} points (95 % {lo:+.2f} to "
+          f"{hi:+.2f}; excludes 0: {'yes' if lo > 0 or hi < 0 else 'no'}, excludes +1.6: "
+          f"{'yes' if lo > 1.6 or hi < 1.6 else 'no'}); {int((g > 0).sum())}/{len(g)} positive; "
+          f"flatter side better {sum((d > 0) == (q < 0) for d, q in zip(g, ratios))}/{len(g)}; "
+          f"r(gain, log Tr ratio) {r}")
+PY
+  exit 0
+fi
 if [ "$way" = low ]; then
   train_to "dose-low-s$s" 40000 "$LOW" 1000
   exit 0
