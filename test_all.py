@@ -2908,6 +2908,7 @@ def test_train_grow_flags_that_conflict_are_usage_errors(train_grown_runs, tmp_p
     (["--grow-from", "SRC", "--grow-width", "0"], "argument --grow-width: must be in 1..64"),
     (["--grow-from", "SRC", "--algo", "lookup"], "--algo lookup has none"),
     (["--grow-from", "SRCx"], "no checkpoint file"),
+    (["--grow-from", "", "--steps", "0"], "--grow-from: no checkpoint file"),
     (["--grow-from", "SRC", "--grow-width", "100000"], "must be in 1..64 (got 100000)"),
 ])
 def test_train_grow_from_refuses_bad_arguments(train_grown_runs, tmp_path, capsys, argv,
@@ -3828,8 +3829,8 @@ def _probe_seeded_runs(tmp_path):
 
 
 def test_probe_summary_settings_come_from_every_run(tmp_path, capsys):
-    """A run with no probe rows (a trace only) listed first leaves the others' settings in the summary; with
-    no probed checkpoint at all, --compare is a one-line error."""
+    """A run with no probe rows (a trace only) listed first leaves the others' settings in the
+    summary; with no probed checkpoint at all, --compare is a one-line error."""
     runs, differences = _probe_seeded_runs(tmp_path)
     bare = tmp_path / "e1-s9"
     bare.mkdir()

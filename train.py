@@ -557,8 +557,9 @@ def check_args(args):
     """Reject impossible combinations of settings (each flag's range is its argparse type's),
     all at once, before anything is built or written."""
     bad = []
-    if args.steps < (0 if args.grow_from else 1):   # --grow-from --steps 0: only the grown model
-        bad.append(f"--steps must be >= {0 if args.grow_from else 1} (got {args.steps})")
+    least = 0 if args.grow_from is not None else 1   # --grow-from --steps 0: the grown model only
+    if args.steps < least:
+        bad.append(f"--steps must be >= {least} (got {args.steps})")
     if args.grow_from is not None and args.algo == "lookup":
         bad.append("--grow-from grows a network; --algo lookup has none")
     if args.decay_steps and args.schedule != "const":

@@ -29,6 +29,7 @@ for w in 1 2; do
 done
 PAIRS="--compare $setting-w1@last $setting-w2@kl --compare $setting-w2@last $setting-w1@kl"
 NEED=$(python probe.py --summary "$R/$setting-w1-s$s" "$R/$setting-w2-s$s" $PAIRS --to-measure)
-ALONG=$(for w in 1 2; do for t in 0000000 0000500 0001000; do echo "$R/$setting-w$w-s$s/ckpt_$t.pt"; done; done)
+ALONG=$(for w in 1 2; do for t in 0000000 0000500 0001000; do
+  echo "$R/$setting-w$w-s$s/ckpt_$t.pt"; done; done)
 python hessian.py $ALONG $NEED
 python probe.py $ALONG $NEED $PROBE

@@ -9,7 +9,9 @@ R=${RUNS:-runs} GAP=${GAP:-runs-gap}
 for s in "$@"; do
   paths=$(python probe.py --summary "$R/deep-s$s" "$R"/deep-b?-s$s \
     --compare 'deep-b[1-4]@last' 'deep*@kl-later' --to-measure)
-  for t in 4000 8000 12000; do paths="$paths $(printf "%s/deep-s%s/ckpt_%07d.pt" "$R" "$s" $t)"; done
+  for t in 4000 8000 12000; do
+    paths="$paths $(printf "%s/deep-s%s/ckpt_%07d.pt" "$R" "$s" $t)"
+  done
   for p in $paths; do
     run=$(basename "$(dirname "$p")"); mkdir -p "$GAP/$run"
     cp -n "$p" "$R/$run/config.json" "$GAP/$run/"

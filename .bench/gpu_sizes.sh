@@ -6,7 +6,8 @@
 # and lr, the step and KL at which the run leaves the plateau (first KL < 0.3), its last KL, and
 # its floor's KL with se. It picks the lr per size for the comparison runs; it compares nothing.
 #   DEVICE=cuda OUT=out bash .bench/gpu_sizes.sh        (one device call, ~7 minutes on an H100)
-#   DEVICE=cpu TRAIN_LIMIT=20 DECAY=20 WARMUP=0.001 SIZES=4x1 LRS=5e-3 bash .bench/gpu_sizes.sh   (dry run)
+#   DEVICE=cpu TRAIN_LIMIT=20 DECAY=20 WARMUP=0.001 SIZES=4x1 LRS=5e-3 bash .bench/gpu_sizes.sh
+#                                                                      (a dry run)
 set -u
 DEVICE=${DEVICE:-cuda} OUT=${OUT:-out} RUNS=${RUNS:-runs-sz} TRAIN_LIMIT=${TRAIN_LIMIT:-300}
 DECAY=${DECAY:-500} SIZES=${SIZES:-"4x1 4x2 4x4 8x4 8x8"} LRS=${LRS:-"1e-3 2e-3 5e-3"}

@@ -31,7 +31,10 @@ wait
 echo "training: $(( $(date +%s) - t0 )) s"; tail -n 2 "$OUT"/train-*.log
 measure() {  # RUN_DIR: every checkpoint of the 4x2 runs (Fig. 1), the last of the others
   local ckpts
-  case "$1" in */ps-L4H2-*) ckpts=$(ls "$1"/ckpt_*.pt);; *) ckpts=$(ls "$1"/ckpt_*.pt | tail -n 1);; esac
+  case "$1" in
+    */ps-L4H2-*) ckpts=$(ls "$1"/ckpt_*.pt);;
+    *) ckpts=$(ls "$1"/ckpt_*.pt | tail -n 1);;
+  esac
   timeout "$MEASURE_LIMIT" python hessian.py $ckpts --device "$DEVICE" &&
   timeout "$MEASURE_LIMIT" python probe.py $ckpts $PROBE
 }
