@@ -14,13 +14,14 @@
 #              500 for 400 (a fixed budget: sample efficiency); fine-tuning on 500 (on 4,000 it
 #              is at 1.0000 on both sides of seed 11's pair).
 #   report     per seed and across seeds: the pair, its traces, B - A per probe setting.
+# LATE=K (default 20) puts B on the branch from P + 1000 K instead: a dose of (K - 3) * 1000.
 # Each step skips what exists, so a stopped chain continues where it stopped.
 #   bash .bench/e1_dose.sh low SEED          (RUNS=folder, default runs; one thread)
 #   bash .bench/e1_dose.sh construct SEED
 #   bash .bench/e1_dose.sh measure SEED
 #   bash .bench/e1_dose.sh report SEED ...
 set -eu
-way=$1 s=$2 R=${RUNS:-runs} LOW=${LOW:-1e-3}
+way=$1 s=$2 R=${RUNS:-runs} LOW=${LOW:-1e-3} LATE=${LATE:-20}
 MODEL="--lang pcfg-deep --preset tf-deep --batch 512 --precision fp32 --runs $R"
 ckpt() { printf "%s/%s/ckpt_%07d.pt" "$R" "$1" "$2"; }
 train_to() {  # RUN STEPS LR EVAL_EVERY: a constant run to STEPS, resumed if it exists
@@ -34,8 +35,8 @@ train_to() {  # RUN STEPS LR EVAL_EVERY: a constant run to STEPS, resumed if it 
   fi
 }
 if [ "$way" = measure ]; then
-  pair=$(python probe.py --summary "$R/dose-b3-s$s" "$R/dose-b20-s$s" --compare dose-b3@last \
-    dose-b20@kl --to-measure)
+  pair=$(python probe.py --summary "$R/dose-b3-s$s" "$R/dose-b$LATE-s$s" --compare dose-b3@last \
+    "dose-b$LATE@kl" --to-measure)
   python hessian.py $pair --fisher-gap 30
   for n in 4000 500; do
     python probe.py $pair --task A --n-test 8000 --seeds 3 --no-projection --n-train $n \
@@ -46,11 +47,11 @@ if [ "$way" = measure ]; then
 fi
 if [ "$way" = report ]; then
   shift
-  python - "$R" "$@" <<'PY'
+  python - "$R" "$LATE" "$@" <<'PY'
 import json, math, sys
 import numpy as np
 import probe
-R, seeds = sys.argv[1], sys.argv[2:]
+R, late, seeds = sys.argv[1], sys.argv[2], sys.argv[3:]
 T95 = [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18]   # df 1..12
 rows = lambda run, f: [json.loads(l) for l in open(f"{R}/{run}/{f}")]
 branch = lambda run: int(json.load(open(f"{R}/{run}/config.json"))["args"]["branch_from"][-10:-3])
@@ -58,7 +59,7 @@ SETTINGS = [(m, n) for m in ("linear", "finetune") for n in (4000, 500)]
 gains = {k: [] for k in SETTINGS}
 ratios = []
 for s in seeds:
-    a_run, b_run = f"dose-b3-s{s}", f"dose-b20-s{s}"
+    a_run, b_run = f"dose-b3-s{s}", f"dose-b{late}-s{s}"
     evals = lambda run: [r for r in rows(run, "metrics.jsonl") if "kl" in r]
     A = evals(a_run)[-1]
     probed = {r["step"] for r in rows(b_run, "probe.jsonl") if r["n_test"] == 8000}
@@ -123,11 +124,11 @@ print(next((r['step'] for r in rows if r['kl'] < 0.3), ''))" "$R/$run/metrics.js
 [ -n "$P" ] || { echo "seed $s: KL never below 0.3 in 12000 steps"; exit 0; }
 up=$(( (P + 999) / 1000 * 1000 ))                      # branch points on the 1000-step grid
 train_to "$run" $(( up + 20000 )) 5e-3 250
-for k in 3 20; do
+for k in 3 "$LATE"; do
   b=$(( up + 1000 * k ))
   [ -f "$(ckpt "dose-b$k-s$s" $(( b + 1000 )))" ] ||
     python train.py --branch-from "$(ckpt "$run" "$b")" --decay-steps 1000 --ckpt-every 25 \
       --eval-every 25 --runs "$R" --name "dose-b$k-s$s"
 done
 echo "seed $s: leaves the plateau at step $P; floor from $(( up + 3000 )),"\
-  "branch from $(( up + 20000 ))"
+  "branch from $(( up + 1000 * LATE ))"
