@@ -35,8 +35,17 @@ train_to() {  # RUN STEPS LR EVAL_EVERY: a constant run to STEPS, resumed if it 
   fi
 }
 if [ "$way" = measure ]; then
-  pair=$(python probe.py --summary "$R/dose-b3-s$s" "$R/dose-b$LATE-s$s" --compare dose-b3@last \
-    "dose-b$LATE@kl" --to-measure)
+  pair=$(python - "$R" "$s" "$LATE" <<'PY'   # A's floor, B's two checkpoints of nearest KL
+import json, sys
+import probe, train
+R, s, late = sys.argv[1:]
+evals = lambda run: [r for r in map(json.loads, open(f"{R}/{run}/metrics.jsonl")) if "kl" in r]
+A = evals(f"dose-b3-s{s}")[-1]
+ranked, _ = probe.match_kl(A["kl"], A["kl_se"], evals(f"dose-b{late}-s{s}"))
+print(*(train.ckpt_path(f"{R}/{run}", r["step"]) for run, r in
+        [(f"dose-b3-s{s}", A)] + [(f"dose-b{late}-s{s}", r) for r in ranked[:2]]))
+PY
+)
   python hessian.py $pair --fisher-gap 30
   for n in 4000 500; do
     python probe.py $pair --task A --n-test 8000 --seeds 3 --no-projection --n-train $n \
