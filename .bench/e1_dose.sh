@@ -57,12 +57,13 @@ fi
 if [ "$way" = report ]; then
   shift
   python - "$R" "$LATE" "$@" <<'PY'
-import json, math, sys
+import json, math, os, sys
 import numpy as np
 import probe
 R, late, seeds = sys.argv[1], sys.argv[2], sys.argv[3:]
 T95 = [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18]   # df 1..12
-rows = lambda run, f: [json.loads(l) for l in open(f"{R}/{run}/{f}")]
+rows = lambda run, f: ([json.loads(l) for l in open(f"{R}/{run}/{f}")]
+                       if os.path.exists(f"{R}/{run}/{f}") else [])
 branch = lambda run: int(json.load(open(f"{R}/{run}/config.json"))["args"]["branch_from"][-10:-3])
 SETTINGS = [(m, n) for m in ("linear", "finetune") for n in (4000, 500)]
 gains = {k: [] for k in SETTINGS}
@@ -70,8 +71,11 @@ ratios = []
 for s in seeds:
     a_run, b_run = f"dose-b3-s{s}", f"dose-b{late}-s{s}"
     evals = lambda run: [r for r in rows(run, "metrics.jsonl") if "kl" in r]
-    A = evals(a_run)[-1]
     probed = {r["step"] for r in rows(b_run, "probe.jsonl") if r["n_test"] == 8000}
+    if not (evals(a_run) and probed):
+        print(f"seed {s}: not measured yet (bash .bench/e1_dose.sh measure {s})")
+        continue
+    A = evals(a_run)[-1]
     ranked, margin = probe.match_kl(A["kl"], A["kl_se"],
                                     [r for r in evals(b_run) if r["step"] in probed])
     B = ranked[0]
