@@ -1,5 +1,5 @@
 #!/bin/bash
-# E1 with a real dose, a pilot of the two designs (one training seed each), the two-head
+# E1 with a real dose (low: piloted on one seed; construct: the design, per seed), the two-head
 # transformer on pcfg-deep, batch 512, a warm-up of 720 steps (as .bench/e1_deep.sh), fp32:
 #   low        one constant run at lr LOW (default 1e-3) for 40,000 steps, evaluated and
 #              checkpointed every 1000: does it level off at KL <= 0.02? Its checkpoints >= 10,000
