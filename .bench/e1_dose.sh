@@ -14,39 +14,65 @@
 #              500 for 400 (a fixed budget: sample efficiency); fine-tuning on 500 (on 4,000 it
 #              is at 1.0000 on both sides of seed 11's pair).
 #   report     per seed and across seeds: the pair, its traces, B - A per probe setting.
+#   larger     E2 (Figs. 2, 5): the 4 x 4 model (tf-deep with 4 heads, 796K parameters, 4x),
+#              trained on its own by the same recipe (lr 5e-3, the lr its GPU pilot chose) to its
+#              own P + 3000, decayed over 1000 steps evaluated every 25 (B's candidates); and
+#              the tf-deep floor A embedded in its architecture (model.grow, even split, App.
+#              B.1.3). AGAINST=larger measure|report SEED: A against the 4 x 4 checkpoint of
+#              nearest KL, the embedded A's traces beside them.
 # LATE=K (default 20) puts B on the branch from P + 1000 K instead: a dose of (K - 3) * 1000.
 # Each step skips what exists, so a stopped chain continues where it stopped.
 #   bash .bench/e1_dose.sh low SEED          (RUNS=folder, default runs; one thread)
 #   bash .bench/e1_dose.sh construct SEED
 #   bash .bench/e1_dose.sh measure SEED
 #   bash .bench/e1_dose.sh report SEED ...
+#   bash .bench/e1_dose.sh larger SEED; AGAINST=larger bash .bench/e1_dose.sh measure|report SEED
 set -eu
-way=$1 s=$2 R=${RUNS:-runs} LOW=${LOW:-1e-3} LATE=${LATE:-20}
+way=$1 s=$2 R=${RUNS:-runs} LOW=${LOW:-1e-3} LATE=${LATE:-20} AGAINST=${AGAINST:-later}
+BRUN=b$LATE PAPER=1.6                       # B's run (dose-BRUN-sSEED); the paper's effect, points
+[ "$AGAINST" = larger ] && BRUN=L4H4f PAPER=6.9
 MODEL="--lang pcfg-deep --preset tf-deep --batch 512 --precision fp32 --runs $R"
 ckpt() { printf "%s/%s/ckpt_%07d.pt" "$R" "$1" "$2"; }
-train_to() {  # RUN STEPS LR EVAL_EVERY: a constant run to STEPS, resumed if it exists
+train_to() {  # RUN STEPS LR EVAL_EVERY [SIZE]: a constant run to STEPS, resumed if it exists
   local warmup
   warmup=$(python -c "print(720 / $2)")
   if [ -f "$R/$1/metrics.jsonl" ]; then
     [ -f "$(ckpt "$1" "$2")" ] || python train.py --name "$1" --runs "$R" --resume --steps "$2"
   else
-    python train.py $MODEL --lr "$3" --schedule const --warmup "$warmup" --steps "$2" \
+    python train.py $MODEL ${5:-} --lr "$3" --schedule const --warmup "$warmup" --steps "$2" \
       --ckpt-every 1000 --eval-every "$4" --seed "$s" --name "$1"
+  fi
+}
+plateau_exit() {  # RUN: P, the first evaluation with KL < 0.3, rounded up to the 1000-step grid
+  python -c "import json,sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '\"kl\"' in l]
+P = next((r['step'] for r in rows if r['kl'] < 0.3), None)
+print(P, '' if P is None else (P + 999) // 1000 * 1000)" "$R/$1/metrics.jsonl"
+}
+decay() {  # RUN FROM_STEP NAME: a branch decayed over 1000 steps, resumed if stopped midway
+  if [ -f "$(ckpt "$3" $(( $2 + 1000 )))" ]; then :
+  elif compgen -G "$R/$3/ckpt_*.pt" >/dev/null; then
+    python train.py --name "$3" --runs "$R" --resume
+  else
+    python train.py --branch-from "$(ckpt "$1" "$2")" --decay-steps 1000 --ckpt-every 25 \
+      --eval-every 25 --runs "$R" --name "$3"
   fi
 }
 if [ "$way" = measure ]; then
   pair=$(python - "$R" "$s" "$LATE" <<'PY'   # A's floor, B's two checkpoints of nearest KL
 import json, sys
 import probe, train
-R, s, late = sys.argv[1:]
+R, s, b_run = sys.argv[1:]
 evals = lambda run: [r for r in map(json.loads, open(f"{R}/{run}/metrics.jsonl")) if "kl" in r]
 A = evals(f"dose-b3-s{s}")[-1]
-ranked, _ = probe.match_kl(A["kl"], A["kl_se"], evals(f"dose-b{late}-s{s}"))
+ranked, _ = probe.match_kl(A["kl"], A["kl_se"], evals(f"dose-{b_run}-s{s}"))
 print(*(train.ckpt_path(f"{R}/{run}", r["step"]) for run, r in
-        [(f"dose-b3-s{s}", A)] + [(f"dose-b{late}-s{s}", r) for r in ranked[:2]]))
+        [(f"dose-b3-s{s}", A)] + [(f"dose-{b_run}-s{s}", r) for r in ranked[:2]]))
 PY
 )
-  python hessian.py $pair --fisher-gap 30
+  emb=""
+  [ "$AGAINST" = larger ] && emb=$(ckpt "dose-emb-s$s" 0)
+  python hessian.py $pair $emb --fisher-gap 30
   for n in 4000 500; do
     python probe.py $pair --task A --n-test 8000 --seeds 3 --no-projection --n-train $n \
       --epochs 400
@@ -56,11 +82,11 @@ PY
 fi
 if [ "$way" = report ]; then
   shift
-  python - "$R" "$LATE" "$@" <<'PY'
+  python - "$R" "$BRUN" "$PAPER" "$@" <<'PY'
 import json, math, os, sys
 import numpy as np
 import probe
-R, late, seeds = sys.argv[1], sys.argv[2], sys.argv[3:]
+R, b_name, paper, seeds = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4:]
 T95 = [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18]   # df 1..12
 rows = lambda run, f: ([json.loads(l) for l in open(f"{R}/{run}/{f}")]
                        if os.path.exists(f"{R}/{run}/{f}") else [])
@@ -69,7 +95,7 @@ SETTINGS = [(m, n) for m in ("linear", "finetune") for n in (4000, 500)]
 gains = {k: [] for k in SETTINGS}
 ratios = []
 for s in seeds:
-    a_run, b_run = f"dose-b3-s{s}", f"dose-b{late}-s{s}"
+    a_run, b_run = f"dose-b3-s{s}", f"dose-{b_name}-s{s}"
     evals = lambda run: [r for r in rows(run, "metrics.jsonl") if "kl" in r]
     probed = {r["step"] for r in rows(b_run, "probe.jsonl") if r["n_test"] == 8000}
     if not (evals(a_run) and probed):
@@ -82,14 +108,21 @@ for s in seeds:
     tr = {(run, r["step"]): r for run in (a_run, b_run) for r in rows(run, "hessian.jsonl")}
     ha, hb = tr[a_run, A["step"]], tr[b_run, B["step"]]
     th = lambda h: h["trace"] + h["fisher_gap"]
+    apart = (f"branched {branch(b_run) - branch(a_run)} steps apart" if b_name != "L4H4f"
+             else f"the 4 x 4 decayed from {branch(b_run)}")
     print(f"seed {s}: A {a_run}@{A['step']} KL {A['kl']:.4f} ± {A['kl_se']:.4f}, B {b_run}@"
           f"{B['step']} KL {B['kl']:.4f} ± {B['kl_se']:.4f} ({margin:.1f} se"
-          f"{', matched' if margin < 2 else ', NOT matched'}); branched "
-          f"{branch(b_run) - branch(a_run)} steps apart")
+          f"{', matched' if margin < 2 else ', NOT matched'}); {apart}")
     print(f"  Tr F {ha['trace']:.1f} ± {ha['trace_std']:.1f} -> {hb['trace']:.1f} ± "
           f"{hb['trace_std']:.1f} ({hb['trace'] / ha['trace']:.2f}x); Tr H {th(ha):.1f} ± "
           f"{ha['fisher_gap_se']:.1f} -> {th(hb):.1f} ± {hb['fisher_gap_se']:.1f} "
           f"({th(hb) / th(ha):.2f}x)")
+    emb = rows(f"dose-emb-s{s}", "hessian.jsonl")
+    if b_name == "L4H4f" and emb:                  # A inside B's architecture: the same function
+        e = emb[-1]
+        print(f"  A embedded in the 4 x 4: Tr F {e['trace']:.1f} ± {e['trace_std']:.1f}, Tr H "
+              f"{th(e):.1f} ± {e['fisher_gap_se']:.1f}; B / embedded A: Tr F "
+              f"{hb['trace'] / e['trace']:.2f}x, Tr H {th(hb) / th(e):.2f}x")
     for m, n in SETTINGS:
         got = lambda run, step: next((r for r in rows(run, "probe.jsonl") if r["step"] == step
                                       and r["method"] == m and r["n_train"] == n
@@ -118,11 +151,27 @@ for (m, n), g in gains.items():
     lo, hi = g.mean() - t * se, g.mean() + t * se
     r = f"{np.corrcoef(g, ratios)[0, 1]:+.2f}" if len(g) > 2 else "-"
     print(f"  {m:8s} on {n:4d}: B - A {g.mean():+.2f} ± {se:.2f} points (95 % {lo:+.2f} to "
-          f"{hi:+.2f}; excludes 0: {'yes' if lo > 0 or hi < 0 else 'no'}, excludes +1.6: "
-          f"{'yes' if lo > 1.6 or hi < 1.6 else 'no'}); {int((g > 0).sum())}/{len(g)} positive; "
+          f"{hi:+.2f}; excludes 0: {'yes' if lo > 0 or hi < 0 else 'no'}, excludes +{paper}: "
+          f"{'yes' if lo > paper or hi < paper else 'no'}); {int((g > 0).sum())}/{len(g)} "
+          f"positive; "
           f"flatter side better {sum((d > 0) == (q < 0) for d, q in zip(g, ratios))}/{len(g)}; "
           f"r(gain, log Tr ratio) {r}")
 PY
+  exit 0
+fi
+if [ "$way" = larger ]; then                  # the tf-deep floor A must exist: construct first
+  for n in 6000 12000; do                    # its plateau exit: ~2,250-3,250 on the GPU
+    train_to "dose-L4H4-s$s" $n 5e-3 250 "--n-heads 4"
+    read -r P up <<< "$(plateau_exit "dose-L4H4-s$s")"
+    [ -z "$up" ] || break
+  done
+  [ -n "$up" ] || { echo "seed $s, 4 x 4: KL never below 0.3 in 12000 steps"; exit 0; }
+  train_to "dose-L4H4-s$s" $(( up + 3000 )) 5e-3 250
+  decay "dose-L4H4-s$s" $(( up + 3000 )) "dose-L4H4f-s$s"
+  A=$(ls "$R/dose-b3-s$s"/ckpt_*.pt | tail -n 1)
+  [ -f "$(ckpt "dose-emb-s$s" 0)" ] || python train.py --grow-from "$A" --grow-width 2 \
+    --grow-split even --steps 0 --runs "$R" --name "dose-emb-s$s"
+  echo "seed $s, 4 x 4: leaves the plateau at step $P; floor from $(( up + 3000 ))"
   exit 0
 fi
 if [ "$way" = low ]; then
@@ -131,17 +180,11 @@ if [ "$way" = low ]; then
 fi
 run=dose-s$s
 train_to "$run" 12000 5e-3 250
-P=$(python -c "import json,sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if '\"kl\"' in l]
-print(next((r['step'] for r in rows if r['kl'] < 0.3), ''))" "$R/$run/metrics.jsonl")
-[ -n "$P" ] || { echo "seed $s: KL never below 0.3 in 12000 steps"; exit 0; }
-up=$(( (P + 999) / 1000 * 1000 ))                      # branch points on the 1000-step grid
+read -r P up <<< "$(plateau_exit "$run")"
+[ -n "$up" ] || { echo "seed $s: KL never below 0.3 in 12000 steps"; exit 0; }
 train_to "$run" $(( up + 20000 )) 5e-3 250
 for k in 3 "$LATE"; do
-  b=$(( up + 1000 * k ))
-  [ -f "$(ckpt "dose-b$k-s$s" $(( b + 1000 )))" ] ||
-    python train.py --branch-from "$(ckpt "$run" "$b")" --decay-steps 1000 --ckpt-every 25 \
-      --eval-every 25 --runs "$R" --name "dose-b$k-s$s"
+  decay "$run" $(( up + 1000 * k )) "dose-b$k-s$s"
 done
 echo "seed $s: leaves the plateau at step $P; floor from $(( up + 3000 )),"\
   "branch from $(( up + 1000 * LATE ))"
