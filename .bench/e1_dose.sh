@@ -59,7 +59,7 @@ decay() {  # RUN FROM_STEP NAME: a branch decayed over 1000 steps, resumed if st
   fi
 }
 if [ "$way" = measure ]; then
-  pair=$(python - "$R" "$s" "$LATE" <<'PY'   # A's floor, B's two checkpoints of nearest KL
+  pair=$(python - "$R" "$s" "$BRUN" <<'PY'   # A's floor, B's two checkpoints of nearest KL
 import json, sys
 import probe, train
 R, s, b_run = sys.argv[1:]
