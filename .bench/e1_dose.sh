@@ -99,7 +99,8 @@ for s in seeds:
     evals = lambda run: [r for r in rows(run, "metrics.jsonl") if "kl" in r]
     probed = {r["step"] for r in rows(b_run, "probe.jsonl") if r["n_test"] == 8000}
     if not (evals(a_run) and probed):
-        print(f"seed {s}: not measured yet (bash .bench/e1_dose.sh measure {s})")
+        how = "AGAINST=larger " if b_name == "L4H4f" else ""
+        print(f"seed {s}: not measured yet ({how}bash .bench/e1_dose.sh measure {s})")
         continue
     A = evals(a_run)[-1]
     ranked, margin = probe.match_kl(A["kl"], A["kl_se"],
