@@ -26,7 +26,7 @@
 #   bash .bench/e1_dose.sh construct SEED
 #   bash .bench/e1_dose.sh measure SEED
 #   bash .bench/e1_dose.sh report SEED ...
-#   bash .bench/e1_dose.sh larger SEED; AGAINST=larger bash .bench/e1_dose.sh measure|report SEED
+#   bash .bench/e1_dose.sh larger SEED   (then AGAINST=larger ... measure|report SEED)
 set -eu
 way=$1 s=$2 R=${RUNS:-runs} LOW=${LOW:-1e-3} LATE=${LATE:-20} AGAINST=${AGAINST:-later}
 BRUN=b$LATE PAPER=1.6                       # B's run (dose-BRUN-sSEED); the paper's effect, points
@@ -99,7 +99,8 @@ for s in seeds:
     evals = lambda run: [r for r in rows(run, "metrics.jsonl") if "kl" in r]
     probed = {r["step"] for r in rows(b_run, "probe.jsonl") if r["n_test"] == 8000}
     if not (evals(a_run) and probed):
-        how = "AGAINST=larger " if b_name == "L4H4f" else ""
+        how = ("AGAINST=larger " if b_name == "L4H4f" else
+               "" if b_name == "b20" else f"LATE={b_name[1:]} ")
         print(f"seed {s}: not measured yet ({how}bash .bench/e1_dose.sh measure {s})")
         continue
     A = evals(a_run)[-1]
