@@ -14,23 +14,31 @@
 #              500 for 400 (a fixed budget: sample efficiency); fine-tuning on 500 (on 4,000 it
 #              is at 1.0000 on both sides of seed 11's pair).
 #   report     per seed and across seeds: the pair, its traces, B - A per probe setting.
-#   larger     E2 (Figs. 2, 5): the 4 x 4 model (tf-deep with 4 heads, 796K parameters, 4x),
-#              trained on its own by the same recipe (lr 5e-3, the lr its GPU pilot chose) to its
-#              own P + 3000, decayed over 1000 steps evaluated every 25 (B's candidates); and
-#              the tf-deep floor A embedded in its architecture (model.grow, even split, App.
-#              B.1.3). AGAINST=larger measure|report SEED: A against the 4 x 4 checkpoint of
-#              nearest KL, the embedded A's traces beside them.
+#   larger     E2 (Figs. 2, 5): a larger model of tf-deep's family (SIZE=L4H4, the default: 4
+#              layers x 4 heads, 796K parameters, 4x tf-deep's 201K; SIZE=L8H2: 8 layers x 2
+#              heads, 401K, 2x), trained on its own by the same recipe (lr 5e-3, the lr the 4 x
+#              4's GPU pilot chose) to its own P + 3000, decayed over 1000 steps evaluated every
+#              25 (B's candidates); and the tf-deep floor A embedded in its architecture
+#              (model.grow, App. B.1.3: heads copied with an even split, or zero blocks on top).
+#              AGAINST=larger [SIZE=..] measure|report SEED: A against the larger model's
+#              checkpoint of nearest KL, the embedded A's traces beside them.
 # LATE=K (default 20) puts B on the branch from P + 1000 K instead: a dose of (K - 3) * 1000.
 # Each step skips what exists, so a stopped chain continues where it stopped.
 #   bash .bench/e1_dose.sh low SEED          (RUNS=folder, default runs; one thread)
 #   bash .bench/e1_dose.sh construct SEED
 #   bash .bench/e1_dose.sh measure SEED
 #   bash .bench/e1_dose.sh report SEED ...
-#   bash .bench/e1_dose.sh larger SEED   (then AGAINST=larger ... measure|report SEED)
+#   SIZE=L8H2 bash .bench/e1_dose.sh larger SEED   (then AGAINST=larger SIZE=L8H2 measure ..)
 set -eu
 way=$1 s=$2 R=${RUNS:-runs} LOW=${LOW:-1e-3} LATE=${LATE:-20} AGAINST=${AGAINST:-later}
+SIZE=${SIZE:-L4H4}
+case $SIZE in                               # the larger model's flags; A's embedding in it
+  L4H4) WIDER="--n-heads 4" GROW="--grow-width 2 --grow-split even" ;;
+  L8H2) WIDER="--n-layers 8" GROW="--grow-width 1 --grow-layers 4" ;;
+  *) echo "e1_dose.sh: SIZE must be L4H4 or L8H2, not $SIZE" >&2; exit 2 ;;
+esac
 BRUN=b$LATE PAPER=1.6                       # B's run (dose-BRUN-sSEED); the paper's effect, points
-[ "$AGAINST" = larger ] && BRUN=L4H4f PAPER=6.9
+[ "$AGAINST" = larger ] && BRUN=${SIZE}f PAPER=6.9
 MODEL="--lang pcfg-deep --preset tf-deep --batch 512 --precision fp32 --runs $R"
 ckpt() { printf "%s/%s/ckpt_%07d.pt" "$R" "$1" "$2"; }
 train_to() {  # RUN STEPS LR EVAL_EVERY [SIZE]: a constant run to STEPS, resumed if it exists
@@ -71,7 +79,7 @@ print(*(train.ckpt_path(f"{R}/{run}", r["step"]) for run, r in
 PY
 )
   emb=""
-  [ "$AGAINST" = larger ] && emb=$(ckpt "dose-emb-s$s" 0)
+  [ "$AGAINST" = larger ] && emb=$(ckpt "dose-emb$SIZE-s$s" 0)
   python hessian.py $pair $emb --fisher-gap 30
   for n in 4000 500; do
     python probe.py $pair --task A --n-test 8000 --seeds 3 --no-projection --n-train $n \
@@ -82,11 +90,13 @@ PY
 fi
 if [ "$way" = report ]; then
   shift
-  python - "$R" "$BRUN" "$PAPER" "$@" <<'PY'
+  python - "$R" "$BRUN" "$PAPER" "$AGAINST" "$@" <<'PY'
 import json, math, os, sys
 import numpy as np
 import probe
-R, b_name, paper, seeds = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4:]
+R, b_name, paper, against, *seeds = sys.argv[1:]
+paper = float(paper)
+size = b_name[:-1]                                     # with AGAINST=larger: L4H4 or L8H2
 T95 = [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18]   # df 1..12
 rows = lambda run, f: ([json.loads(l) for l in open(f"{R}/{run}/{f}")]
                        if os.path.exists(f"{R}/{run}/{f}") else [])
@@ -99,7 +109,7 @@ for s in seeds:
     evals = lambda run: [r for r in rows(run, "metrics.jsonl") if "kl" in r]
     probed = {r["step"] for r in rows(b_run, "probe.jsonl") if r["n_test"] == 8000}
     if not (evals(a_run) and probed):
-        how = ("AGAINST=larger " if b_name == "L4H4f" else
+        how = (f"AGAINST=larger SIZE={size} " if against == "larger" else
                "" if b_name == "b20" else f"LATE={b_name[1:]} ")
         print(f"seed {s}: not measured yet ({how}bash .bench/e1_dose.sh measure {s})")
         continue
@@ -110,8 +120,8 @@ for s in seeds:
     tr = {(run, r["step"]): r for run in (a_run, b_run) for r in rows(run, "hessian.jsonl")}
     ha, hb = tr[a_run, A["step"]], tr[b_run, B["step"]]
     th = lambda h: h["trace"] + h["fisher_gap"]
-    apart = (f"branched {branch(b_run) - branch(a_run)} steps apart" if b_name != "L4H4f"
-             else f"the 4 x 4 decayed from {branch(b_run)}")
+    apart = (f"branched {branch(b_run) - branch(a_run)} steps apart" if against != "larger"
+             else f"the {size} decayed from {branch(b_run)}")
     print(f"seed {s}: A {a_run}@{A['step']} KL {A['kl']:.4f} ± {A['kl_se']:.4f}, B {b_run}@"
           f"{B['step']} KL {B['kl']:.4f} ± {B['kl_se']:.4f} ({margin:.1f} se"
           f"{', matched' if margin < 2 else ', NOT matched'}); {apart}")
@@ -119,10 +129,10 @@ for s in seeds:
           f"{hb['trace_std']:.1f} ({hb['trace'] / ha['trace']:.2f}x); Tr H {th(ha):.1f} ± "
           f"{ha['fisher_gap_se']:.1f} -> {th(hb):.1f} ± {hb['fisher_gap_se']:.1f} "
           f"({th(hb) / th(ha):.2f}x)")
-    emb = rows(f"dose-emb-s{s}", "hessian.jsonl")
-    if b_name == "L4H4f" and emb:                  # A inside B's architecture: the same function
+    emb = rows(f"dose-emb{size}-s{s}", "hessian.jsonl")
+    if against == "larger" and emb:                # A inside B's architecture: the same function
         e = emb[-1]
-        print(f"  A embedded in the 4 x 4: Tr F {e['trace']:.1f} ± {e['trace_std']:.1f}, Tr H "
+        print(f"  A embedded in the {size}: Tr F {e['trace']:.1f} ± {e['trace_std']:.1f}, Tr H "
               f"{th(e):.1f} ± {e['fisher_gap_se']:.1f}; B / embedded A: Tr F "
               f"{hb['trace'] / e['trace']:.2f}x, Tr H {th(hb) / th(e):.2f}x")
     for m, n in SETTINGS:
@@ -162,18 +172,19 @@ PY
   exit 0
 fi
 if [ "$way" = larger ]; then                  # the tf-deep floor A must exist: construct first
-  for n in 6000 12000; do                    # its plateau exit: ~2,250-3,250 on the GPU
-    train_to "dose-L4H4-s$s" $n 5e-3 250 "--n-heads 4"
-    read -r P up <<< "$(plateau_exit "dose-L4H4-s$s")"
+  big=dose-$SIZE-s$s
+  for n in 6000 12000; do                    # the 4 x 4's plateau exit: ~2,250-3,250 on the GPU
+    train_to "$big" $n 5e-3 250 "$WIDER"
+    read -r P up <<< "$(plateau_exit "$big")"
     [ -z "$up" ] || break
   done
-  [ -n "$up" ] || { echo "seed $s, 4 x 4: KL never below 0.3 in 12000 steps"; exit 0; }
-  train_to "dose-L4H4-s$s" $(( up + 3000 )) 5e-3 250
-  decay "dose-L4H4-s$s" $(( up + 3000 )) "dose-L4H4f-s$s"
+  [ -n "$up" ] || { echo "seed $s, $SIZE: KL never below 0.3 in 12000 steps"; exit 0; }
+  train_to "$big" $(( up + 3000 )) 5e-3 250
+  decay "$big" $(( up + 3000 )) "dose-${SIZE}f-s$s"
   A=$(ls "$R/dose-b3-s$s"/ckpt_*.pt | tail -n 1)
-  [ -f "$(ckpt "dose-emb-s$s" 0)" ] || python train.py --grow-from "$A" --grow-width 2 \
-    --grow-split even --steps 0 --runs "$R" --name "dose-emb-s$s"
-  echo "seed $s, 4 x 4: leaves the plateau at step $P; floor from $(( up + 3000 ))"
+  [ -f "$(ckpt "dose-emb$SIZE-s$s" 0)" ] || python train.py --grow-from "$A" $GROW --steps 0 \
+    --runs "$R" --name "dose-emb$SIZE-s$s"
+  echo "seed $s, $SIZE: leaves the plateau at step $P; floor from $(( up + 3000 ))"
   exit 0
 fi
 if [ "$way" = low ]; then
