@@ -17,28 +17,41 @@
 #   larger     E2 (Figs. 2, 5): a larger model of tf-deep's family (SIZE=L4H4, the default: 4
 #              layers x 4 heads, 796K parameters, 4x tf-deep's 201K; SIZE=L8H2: 8 layers x 2
 #              heads, 401K, 2x), trained on its own by the same recipe (lr 5e-3, the lr the 4 x
-#              4's GPU pilot chose) to its own P + 3000, decayed over 1000 steps evaluated every
-#              25 (B's candidates); and the tf-deep floor A embedded in its architecture
-#              (model.grow, App. B.1.3: heads copied with an even split, or zero blocks on top).
-#              AGAINST=larger [SIZE=..] measure|report SEED: A against the larger model's
-#              checkpoint of nearest KL, the embedded A's traces beside them.
+#              4's GPU pilot chose) to its own P + 3000 and its floor decayed from there over
+#              1000 steps evaluated every 25 (B's candidates), construct's first half; and the
+#              tf-deep floor A embedded in its architecture (model.grow, App. B.1.3: heads
+#              copied with an even split, or zero blocks on top). AGAINST=larger measure|report
+#              SEED: A against the larger model's checkpoint of nearest KL, the embedded A's
+#              traces beside them.
 # LATE=K (default 20) puts B on the branch from P + 1000 K instead: a dose of (K - 3) * 1000.
+# SIZE=L4H4|L8H2 with construct, measure and report (AGAINST=later, the default): E1 within the
+# larger model, its floor (dose-SIZEb3) against its own branch from P + 1000 K (dose-SIZEbK).
 # Each step skips what exists, so a stopped chain continues where it stopped.
 #   bash .bench/e1_dose.sh low SEED          (RUNS=folder, default runs; one thread)
 #   bash .bench/e1_dose.sh construct SEED
 #   bash .bench/e1_dose.sh measure SEED
 #   bash .bench/e1_dose.sh report SEED ...
 #   SIZE=L8H2 bash .bench/e1_dose.sh larger SEED   (then AGAINST=larger SIZE=L8H2 measure ..)
+#   SIZE=L4H4 LATE=10 bash .bench/e1_dose.sh construct|measure SEED     (E1 within the 4 x 4)
 set -eu
+case ${1:-} in low|construct|measure|report|larger) ;; *)
+  echo "e1_dose.sh: WAY must be low, construct, measure, report or larger (see the header)" >&2
+  exit 2 ;;
+esac
+[ $# -ge 2 ] || { echo "e1_dose.sh: $1 needs a SEED" >&2; exit 2; }
 way=$1 s=$2 R=${RUNS:-runs} LOW=${LOW:-1e-3} LATE=${LATE:-20} AGAINST=${AGAINST:-later}
-SIZE=${SIZE:-L4H4}
-case $SIZE in                               # the larger model's flags; A's embedding in it
+SIZE=${SIZE:-}                               # empty: tf-deep
+[ -z "$SIZE" ] && { [ "$way" = larger ] || [ "$AGAINST" = larger ]; } && SIZE=L4H4
+case $SIZE in                               # the model's flags; tf-deep's embedding in it
+  "") WIDER="" ;;
   L4H4) WIDER="--n-heads 4" GROW="--grow-width 2 --grow-split even" ;;
   L8H2) WIDER="--n-layers 8" GROW="--grow-width 1 --grow-layers 4" ;;
   *) echo "e1_dose.sh: SIZE must be L4H4 or L8H2, not $SIZE" >&2; exit 2 ;;
 esac
-BRUN=b$LATE PAPER=1.6                       # B's run (dose-BRUN-sSEED); the paper's effect, points
-[ "$AGAINST" = larger ] && BRUN=${SIZE}f PAPER=6.9
+[ "$way" = larger ] && LATE=3               # the floor only
+RUN=dose-${SIZE:+$SIZE-}s$s                 # the constant run; its branches dose-SIZEbK-sSEED
+ARUN=${SIZE}b3 BRUN=${SIZE}b$LATE PAPER=1.6 # A's and B's runs (dose-.-sSEED); the paper's effect
+[ "$AGAINST" = larger ] && ARUN=b3 BRUN=${SIZE}b3 PAPER=6.9
 MODEL="--lang pcfg-deep --preset tf-deep --batch 512 --precision fp32 --runs $R"
 ckpt() { printf "%s/%s/ckpt_%07d.pt" "$R" "$1" "$2"; }
 train_to() {  # RUN STEPS LR EVAL_EVERY [SIZE]: a constant run to STEPS, resumed if it exists
@@ -67,15 +80,15 @@ decay() {  # RUN FROM_STEP NAME: a branch decayed over 1000 steps, resumed if st
   fi
 }
 if [ "$way" = measure ]; then
-  pair=$(python - "$R" "$s" "$BRUN" <<'PY'   # A's floor, B's two checkpoints of nearest KL
+  pair=$(python - "$R" "$s" "$ARUN" "$BRUN" <<'PY'   # A's floor, B's two of nearest KL
 import json, sys
 import probe, train
-R, s, b_run = sys.argv[1:]
+R, s, a_run, b_run = sys.argv[1:]
 evals = lambda run: [r for r in map(json.loads, open(f"{R}/{run}/metrics.jsonl")) if "kl" in r]
-A = evals(f"dose-b3-s{s}")[-1]
+A = evals(f"dose-{a_run}-s{s}")[-1]
 ranked, _ = probe.match_kl(A["kl"], A["kl_se"], evals(f"dose-{b_run}-s{s}"))
 print(*(train.ckpt_path(f"{R}/{run}", r["step"]) for run, r in
-        [(f"dose-b3-s{s}", A)] + [(f"dose-{b_run}-s{s}", r) for r in ranked[:2]]))
+        [(f"dose-{a_run}-s{s}", A)] + [(f"dose-{b_run}-s{s}", r) for r in ranked[:2]]))
 PY
 )
   emb=""
@@ -90,13 +103,12 @@ PY
 fi
 if [ "$way" = report ]; then
   shift
-  python - "$R" "$BRUN" "$PAPER" "$AGAINST" "$@" <<'PY'
+  python - "$R" "$ARUN" "$BRUN" "$PAPER" "$AGAINST" "$SIZE" "$@" <<'PY'
 import json, math, os, sys
 import numpy as np
 import probe
-R, b_name, paper, against, *seeds = sys.argv[1:]
+R, a_name, b_name, paper, against, size, *seeds = sys.argv[1:]
 paper = float(paper)
-size = b_name[:-1]                                     # with AGAINST=larger: L4H4 or L8H2
 T95 = [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18]   # df 1..12
 rows = lambda run, f: ([json.loads(l) for l in open(f"{R}/{run}/{f}")]
                        if os.path.exists(f"{R}/{run}/{f}") else [])
@@ -105,12 +117,12 @@ SETTINGS = [(m, n) for m in ("linear", "finetune") for n in (4000, 500)]
 gains = {k: [] for k in SETTINGS}
 ratios = []
 for s in seeds:
-    a_run, b_run = f"dose-b3-s{s}", f"dose-{b_name}-s{s}"
+    a_run, b_run = f"dose-{a_name}-s{s}", f"dose-{b_name}-s{s}"
     evals = lambda run: [r for r in rows(run, "metrics.jsonl") if "kl" in r]
     probed = {r["step"] for r in rows(b_run, "probe.jsonl") if r["n_test"] == 8000}
     if not (evals(a_run) and probed):
         how = (f"AGAINST=larger SIZE={size} " if against == "larger" else
-               "" if b_name == "b20" else f"LATE={b_name[1:]} ")
+               (f"SIZE={size} " if size else "") + f"LATE={b_name[len(size) + 1:]} ")
         print(f"seed {s}: not measured yet ({how}bash .bench/e1_dose.sh measure {s})")
         continue
     A = evals(a_run)[-1]
@@ -171,33 +183,23 @@ for (m, n), g in gains.items():
 PY
   exit 0
 fi
-if [ "$way" = larger ]; then                  # the tf-deep floor A must exist: construct first
-  big=dose-$SIZE-s$s
-  for n in 6000 12000; do                    # the 4 x 4's plateau exit: ~2,250-3,250 on the GPU
-    train_to "$big" $n 5e-3 250 "$WIDER"
-    read -r P up <<< "$(plateau_exit "$big")"
-    [ -z "$up" ] || break
-  done
-  [ -n "$up" ] || { echo "seed $s, $SIZE: KL never below 0.3 in 12000 steps"; exit 0; }
-  train_to "$big" $(( up + 3000 )) 5e-3 250
-  decay "$big" $(( up + 3000 )) "dose-${SIZE}f-s$s"
-  A=$(ls "$R/dose-b3-s$s"/ckpt_*.pt | tail -n 1)
-  [ -f "$(ckpt "dose-emb$SIZE-s$s" 0)" ] || python train.py --grow-from "$A" $GROW --steps 0 \
-    --runs "$R" --name "dose-emb$SIZE-s$s"
-  echo "seed $s, $SIZE: leaves the plateau at step $P; floor from $(( up + 3000 ))"
-  exit 0
-fi
 if [ "$way" = low ]; then
   train_to "dose-low-s$s" 40000 "$LOW" 1000
   exit 0
 fi
-run=dose-s$s
-train_to "$run" 12000 5e-3 250
-read -r P up <<< "$(plateau_exit "$run")"
-[ -n "$up" ] || { echo "seed $s: KL never below 0.3 in 12000 steps"; exit 0; }
-train_to "$run" $(( up + 20000 )) 5e-3 250
-for k in 3 "$LATE"; do
-  decay "$run" $(( up + 1000 * k )) "dose-b$k-s$s"
+for n in 6000 12000; do                      # the 4 x 4's plateau exit: ~2,250-3,250 on the GPU
+  train_to "$RUN" $n 5e-3 250 "$WIDER"
+  read -r P up <<< "$(plateau_exit "$RUN")"
+  [ -z "$up" ] || break
 done
-echo "seed $s: leaves the plateau at step $P; floor from $(( up + 3000 )),"\
+[ -n "$up" ] || { echo "seed $s ${SIZE:-tf-deep}: KL never below 0.3 in 12000 steps"; exit 0; }
+train_to "$RUN" $(( up + 1000 * LATE )) 5e-3 250
+for k in 3 "$LATE"; do
+  decay "$RUN" $(( up + 1000 * k )) "dose-${SIZE}b$k-s$s"
+done
+echo "seed $s ${SIZE:-tf-deep}: leaves the plateau at step $P; floor from $(( up + 3000 )),"\
   "branch from $(( up + 1000 * LATE ))"
+[ "$way" = larger ] || exit 0
+A=$(ls "$R/dose-b3-s$s"/ckpt_*.pt | tail -n 1)   # the tf-deep floor (construct SEED first)
+[ -f "$(ckpt "dose-emb$SIZE-s$s" 0)" ] || python train.py --grow-from "$A" $GROW --steps 0 \
+  --runs "$R" --name "dose-emb$SIZE-s$s"
