@@ -21,7 +21,8 @@
 #              1000 steps evaluated every 25 (B's candidates), construct's first half; and the
 #              tf-deep floor A embedded in its architecture (model.grow, App. B.1.3: heads
 #              copied with an even split, or zero blocks on top). AGAINST=larger measure|report
-#              SEED: A against the larger model's checkpoint of nearest KL, the embedded A's
+#              SEED: A against the larger model's checkpoint of nearest KL (or, where the larger
+#              model's floor lies above A's KL, that floor against A's run), the embedded A's
 #              traces beside them.
 # LATE=K (default 20) puts B on the branch from P + 1000 K instead: a dose of (K - 3) * 1000.
 # SIZE=L4H4|L8H2 with construct, measure and report (AGAINST=later, the default): E1 within the
@@ -80,15 +81,18 @@ decay() {  # RUN FROM_STEP NAME: a branch decayed over 1000 steps, resumed if st
   fi
 }
 if [ "$way" = measure ]; then
-  pair=$(python - "$R" "$s" "$ARUN" "$BRUN" <<'PY'   # A's floor, B's two of nearest KL
+  pair=$(python - "$R" "$s" "$ARUN" "$BRUN" <<'PY'   # a floor, the other's two of nearest KL
 import json, sys
 import probe, train
-R, s, a_run, b_run = sys.argv[1:]
-evals = lambda run: [r for r in map(json.loads, open(f"{R}/{run}/metrics.jsonl")) if "kl" in r]
-A = evals(f"dose-{a_run}-s{s}")[-1]
-ranked, _ = probe.match_kl(A["kl"], A["kl_se"], evals(f"dose-{b_run}-s{s}"))
-print(*(train.ckpt_path(f"{R}/{run}", r["step"]) for run, r in
-        [(f"dose-{a_run}-s{s}", A)] + [(f"dose-{b_run}-s{s}", r) for r in ranked[:2]]))
+R, s, a_name, b_name = sys.argv[1:]
+runs = [f"{R}/dose-{a_name}-s{s}", f"{R}/dose-{b_name}-s{s}"]
+evals = lambda run: [r for r in map(json.loads, open(f"{run}/metrics.jsonl")) if "kl" in r]
+if evals(runs[1])[-1]["kl"] > evals(runs[0])[-1]["kl"]:   # the floor of higher KL is the one
+    runs.reverse()                                        # whose KL the other run passes
+F = evals(runs[0])[-1]
+ranked, _ = probe.match_kl(F["kl"], F["kl_se"], evals(runs[1]))
+print(*(train.ckpt_path(run, r["step"]) for run, r in
+        [(runs[0], F)] + [(runs[1], r) for r in ranked[:2]]))
 PY
 )
   emb=""
@@ -119,16 +123,20 @@ ratios = []
 for s in seeds:
     a_run, b_run = f"dose-{a_name}-s{s}", f"dose-{b_name}-s{s}"
     evals = lambda run: [r for r in rows(run, "metrics.jsonl") if "kl" in r]
-    probed = {r["step"] for r in rows(b_run, "probe.jsonl") if r["n_test"] == 8000}
-    if not (evals(a_run) and probed):
+    probed = lambda run: [r for r in evals(run) if r["step"] in
+                          {p["step"] for p in rows(run, "probe.jsonl") if p["n_test"] == 8000}]
+    if not (evals(a_run) and probed(b_run)):
         how = (f"AGAINST=larger SIZE={size} " if against == "larger" else
                (f"SIZE={size} " if size else "") + f"LATE={b_name[len(size) + 1:]} ")
         print(f"seed {s}: not measured yet ({how}bash .bench/e1_dose.sh measure {s})")
         continue
-    A = evals(a_run)[-1]
-    ranked, margin = probe.match_kl(A["kl"], A["kl_se"],
-                                    [r for r in evals(b_run) if r["step"] in probed])
-    B = ranked[0]
+    A, B = evals(a_run)[-1], evals(b_run)[-1]            # the floors; the one of higher KL is
+    if B["kl"] > A["kl"]:                                # paired with the other's checkpoint
+        ranked, margin = probe.match_kl(B["kl"], B["kl_se"], probed(a_run))
+        A = ranked[0]
+    else:
+        ranked, margin = probe.match_kl(A["kl"], A["kl_se"], probed(b_run))
+        B = ranked[0]
     tr = {(run, r["step"]): r for run in (a_run, b_run) for r in rows(run, "hessian.jsonl")}
     ha, hb = tr[a_run, A["step"]], tr[b_run, B["step"]]
     th = lambda h: h["trace"] + h["fisher_gap"]
