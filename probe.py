@@ -250,6 +250,21 @@ def same_loss_statistic(pairs):
             (sum((d > 0) == (r < 0) and d != 0 for _, d, r in pairs), len(pairs)))
 
 
+T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18)  # t, df 1..12
+
+
+def t_interval(values):
+    """Mean of k >= 2 per-seed values, its se (std ddof=1 / sqrt k) and the 95 % t-interval on
+    k - 1 df (the evidence standard across training seeds; beyond 12 df, 12's t, a little wide)
+    -> (mean, se, lo, hi)."""
+    v = np.asarray(values, dtype=np.float64)
+    if len(v) < 2:
+        raise ValueError(f"a t-interval needs two or more values; got {len(v)}")
+    se = float(v.std(ddof=1) / math.sqrt(len(v)))
+    t = T95[min(len(v) - 2, len(T95) - 1)]
+    return float(v.mean()), se, float(v.mean()) - t * se, float(v.mean()) + t * se
+
+
 def match_kl(kl, kl_se, candidates):
     """Matched-KL pairing: the candidate rows (dicts with kl, kl_se) sorted by |KL - kl|, and
     the nearest one's margin in combined standard errors sqrt(se² + se_c²): "same loss" if < 2."""

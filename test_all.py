@@ -3730,6 +3730,25 @@ def test_probe_paired_difference_refuses_other_test_sentences():
         probe.paired_difference([[1, 2]], [[1, 2, 3]], 3)
 
 
+def test_probe_t_interval_quantiles_are_student_t():
+    """probe.T95 against the 97.5 % point of Student's t found by integrating its density."""
+    for df, table in enumerate(probe.T95, start=1):
+        c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+        t = np.linspace(0.0, 20.0, 400_001)
+        density = c * (1 + t ** 2 / df) ** (-(df + 1) / 2)
+        cdf = 0.5 + np.concatenate([[0], np.cumsum((density[1:] + density[:-1]) / 2)]) * t[1]
+        assert abs(t[np.searchsorted(cdf, 0.975)] - table) < 0.006, (df, table)
+
+
+def test_probe_t_interval_by_hand():
+    mean, se, lo, hi = probe.t_interval([1.0, 2.0, 6.0])          # mean 3, sd sqrt 7
+    assert (mean, se) == pytest.approx((3.0, math.sqrt(7 / 3)))
+    assert (lo, hi) == pytest.approx((3 - 4.30 * math.sqrt(7 / 3), 3 + 4.30 * math.sqrt(7 / 3)))
+    assert probe.t_interval([0.0] * 40)[2:] == (0.0, 0.0)
+    with pytest.raises(ValueError, match="two or more"):
+        probe.t_interval([1.0])
+
+
 # ----------------------------------------------------------------------------- the summary
 def _probe_run_dir(tmp_path, name, steps, traces, accs, tasks=("C",), n_correct=None,
                    kls=None, language="L", n_train=10):

@@ -113,7 +113,6 @@ import numpy as np
 import probe
 R, a_name, b_name, paper, against, size, *seeds = sys.argv[1:]
 paper = float(paper)
-T95 = [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18]   # df 1..12
 rows = lambda run, f: ([json.loads(l) for l in open(f"{R}/{run}/{f}")]
                        if os.path.exists(f"{R}/{run}/{f}") else [])
 branch = lambda run: int(json.load(open(f"{R}/{run}/config.json"))["args"]["branch_from"][-10:-3])
@@ -178,9 +177,7 @@ for (m, n), g in gains.items():
     if len(g) < 2:
         print(f"  {m} {n}: {len(g)} matched seed(s), no interval")
         continue
-    se = g.std(ddof=1) / math.sqrt(len(g))
-    t = T95[min(len(g) - 2, len(T95) - 1)]
-    lo, hi = g.mean() - t * se, g.mean() + t * se
+    _, se, lo, hi = probe.t_interval(g)
     r = f"{np.corrcoef(g, ratios)[0, 1]:+.2f}" if len(g) > 2 else "-"
     print(f"  {m:8s} on {n:4d}: B - A {g.mean():+.2f} ± {se:.2f} points (95 % {lo:+.2f} to "
           f"{hi:+.2f}; excludes 0: {'yes' if lo > 0 or hi < 0 else 'no'}, excludes +{paper}: "

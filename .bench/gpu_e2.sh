@@ -89,13 +89,12 @@ left() { local l=$(( END - $(date +%s) + t0 )); echo $(( l > 0 ? l : 1 )); }  # 
 PAIRS=$(mktemp)   # the planned pairs: `paths SEED` lists their checkpoints, `report` the results
 trap 'rm -f "$PAIRS"' EXIT
 cat > "$PAIRS" <<'PY'
-import json, math, os, sys
+import json, os, sys
 import numpy as np
 import probe, train
 mode, runs, n_probe, *rest = sys.argv[1:]
 sizes, seeds = rest[:rest.index("--")], rest[rest.index("--") + 1:]
 name = lambda sz: "L{}H{}".format(*sz.split(":")[0].split("x"))
-T95 = [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18]   # df 1..12
 PAPER = 6.9                                      # the paper's size effect on its PCFG, points
 
 def rows(run, f):
@@ -171,8 +170,7 @@ for (step, n), g in gains.items():
     if len(g) < 2:
         print(f"{step}, probe on {n}: {len(g)} counted seed(s), no interval")
         continue
-    se = g.std(ddof=1) / math.sqrt(len(g))
-    lo, hi = g.mean() - T95[len(g) - 2] * se, g.mean() + T95[len(g) - 2] * se
+    _, se, lo, hi = probe.t_interval(g)
     print(f"{step}, probe on {n}: larger - smaller {g.mean():+.2f} ± {se:.2f} over {len(g)} "
           f"seeds (95 % {lo:+.2f} to {hi:+.2f}; excludes 0: {'yes' if lo > 0 or hi < 0 else 'no'}"
           f", excludes +{PAPER}: {'yes' if lo > PAPER or hi < PAPER else 'no'}); "
