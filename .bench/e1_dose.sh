@@ -13,6 +13,10 @@
 #              linear probe on 4,000 sentences for 400 epochs (converged, at the ceiling) and on
 #              500 for 400 (a fixed budget: sample efficiency); fine-tuning on 500 (on 4,000 it
 #              is at 1.0000 on both sides of seed 11's pair).
+#   refine     where the pair's nearest checkpoint is >= 2 se from the floor's KL (the decay's
+#              KL can fall by 0.002 in 25 steps, 10 of its se), that decay again with a checkpoint
+#              and an evaluation every 5 steps (run name + f): the same trajectory, checked bit for
+#              bit at the 25-step checkpoints; measure and report then take its checkpoints.
 #   report     per seed and across seeds: the pair, its traces, B - A per probe setting.
 #   larger     E2 (Figs. 2, 5): a larger model of tf-deep's family (SIZE=L4H4, the default: 4
 #              layers x 4 heads, 796K parameters, 4x tf-deep's 201K; SIZE=L8H2: 8 layers x 2
@@ -30,13 +34,13 @@
 # Each step skips what exists, so a stopped chain continues where it stopped.
 #   bash .bench/e1_dose.sh low SEED          (RUNS=folder, default runs; one thread)
 #   bash .bench/e1_dose.sh construct SEED
-#   bash .bench/e1_dose.sh measure SEED
+#   bash .bench/e1_dose.sh measure SEED      (refine SEED first: a no-op where matched)
 #   bash .bench/e1_dose.sh report SEED ...
 #   SIZE=L8H2 bash .bench/e1_dose.sh larger SEED   (then AGAINST=larger SIZE=L8H2 measure ..)
 #   SIZE=L4H4 LATE=10 bash .bench/e1_dose.sh construct|measure SEED     (E1 within the 4 x 4)
 set -eu
-case ${1:-} in low|construct|measure|report|larger) ;; *)
-  echo "e1_dose.sh: WAY must be low, construct, measure, report or larger (see the header)" >&2
+case ${1:-} in low|construct|refine|measure|report|larger) ;; *)
+  echo "e1_dose.sh: WAY must be low, construct, refine, measure, report or larger (see header)" >&2
   exit 2 ;;
 esac
 [ $# -ge 2 ] || { echo "e1_dose.sh: $1 needs a SEED" >&2; exit 2; }
@@ -71,30 +75,59 @@ rows = [json.loads(l) for l in open(sys.argv[1]) if '\"kl\"' in l]
 P = next((r['step'] for r in rows if r['kl'] < 0.3), None)
 print(P, '' if P is None else (P + 999) // 1000 * 1000)" "$R/$1/metrics.jsonl"
 }
-decay() {  # RUN FROM_STEP NAME: a branch decayed over 1000 steps, resumed if stopped midway
+decay() {  # RUN FROM_STEP NAME [PERIOD]: a branch decayed over 1000 steps, checkpointed and
+           # evaluated every PERIOD (default 25) steps, resumed if stopped midway
   if [ -f "$(ckpt "$3" $(( $2 + 1000 )))" ]; then :
   elif compgen -G "$R/$3/ckpt_*.pt" >/dev/null; then
     python train.py --name "$3" --runs "$R" --resume
   else
-    python train.py --branch-from "$(ckpt "$1" "$2")" --decay-steps 1000 --ckpt-every 25 \
-      --eval-every 25 --runs "$R" --name "$3"
+    python train.py --branch-from "$(ckpt "$1" "$2")" --decay-steps 1000 --runs "$R" \
+      --ckpt-every "${4:-25}" --eval-every "${4:-25}" --name "$3"
   fi
 }
-if [ "$way" = measure ]; then
-  pair=$(python - "$R" "$s" "$ARUN" "$BRUN" <<'PY'   # a floor, the other's two of nearest KL
-import json, sys
+pair() {  # the margin (se), the floor's checkpoint, the other run's two of nearest KL, its name
+  python - "$R" "$s" "$ARUN" "$BRUN" <<'PY'
+import json, os, sys
 import probe, train
 R, s, a_name, b_name = sys.argv[1:]
-runs = [f"{R}/dose-{a_name}-s{s}", f"{R}/dose-{b_name}-s{s}"]
+refined = lambda name: next(r for r in (f"{name}f-s{s}", f"{name}-s{s}") if os.path.isdir(r))
+runs = [refined(f"{R}/dose-{a_name}"), refined(f"{R}/dose-{b_name}")]   # refine's reruns first
 evals = lambda run: [r for r in map(json.loads, open(f"{run}/metrics.jsonl")) if "kl" in r]
 if evals(runs[1])[-1]["kl"] > evals(runs[0])[-1]["kl"]:   # the floor of higher KL is the one
     runs.reverse()                                        # whose KL the other run passes
 F = evals(runs[0])[-1]
-ranked, _ = probe.match_kl(F["kl"], F["kl_se"], evals(runs[1]))
-print(*(train.ckpt_path(run, r["step"]) for run, r in
-        [(runs[0], F)] + [(runs[1], r) for r in ranked[:2]]))
+ranked, margin = probe.match_kl(F["kl"], F["kl_se"], evals(runs[1]))
+print(f"{margin:.2f}", *(train.ckpt_path(run, r["step"]) for run, r in
+                         [(runs[0], F)] + [(runs[1], r) for r in ranked[:2]]), runs[1])
 PY
-)
+}
+if [ "$way" = refine ]; then
+  read -r margin _ _ _ run <<< "$(pair)"
+  case $run in *f-s"$s") echo "seed $s: $run is refined already ($margin se)"; exit 0 ;; esac
+  python -c "import sys; sys.exit(float(sys.argv[1]) >= 2)" "$margin" &&
+    { echo "seed $s: matched on the 25-step grid ($margin se): nothing to refine"; exit 0; }
+  name=$(basename "$run") src=$(python -c "import json, sys
+print(json.load(open(sys.argv[1] + '/config.json'))['args']['branch_from'])" "$run")
+  fine=${name%-s"$s"}f-s$s
+  step=$(( 10#$(basename "$src" .pt | cut -c6-) ))
+  decay "$(basename "$(dirname "$src")")" "$step" "$fine" 5
+  python - "$run" "$R/$fine" <<'PY'   # the same trajectory: equal KLs where both evaluated
+import json, sys
+kl = lambda run: {r["step"]: r["kl"] for r in map(json.loads, open(f"{run}/metrics.jsonl"))
+                  if "kl" in r}
+coarse, fine = map(kl, sys.argv[1:])
+differ = [k for k in coarse if coarse[k] != fine.get(k)]
+if differ:
+    sys.exit(f"e1_dose.sh refine: {sys.argv[2]} differs from {sys.argv[1]} at steps "
+             f"{differ[:3]}: not the same trajectory; remove it")
+print(f"{sys.argv[2]}: the same trajectory as {sys.argv[1]} at its {len(coarse)} evaluations")
+PY
+  echo "seed $s: was $margin se on the 25-step grid; now $(pair | cut -d' ' -f1) se"
+  exit 0
+fi
+if [ "$way" = measure ]; then
+  read -r _ a b1 b2 _ <<< "$(pair)"
+  pair="$a $b1 $b2"
   emb=""
   [ "$AGAINST" = larger ] && emb=$(ckpt "dose-emb$SIZE-s$s" 0)
   python hessian.py $pair $emb --fisher-gap 30
@@ -120,7 +153,9 @@ SETTINGS = [("linear", 4000), ("linear", 500), ("finetune", 500)]   # as measure
 gains = {k: [] for k in SETTINGS}
 ratios = []
 for s in seeds:
-    a_run, b_run = f"dose-{a_name}-s{s}", f"dose-{b_name}-s{s}"
+    refined = lambda name: next((r for r in (f"{name}f-s{s}", f"{name}-s{s}")
+                                 if os.path.isdir(f"{R}/{r}")), f"{name}-s{s}")
+    a_run, b_run = refined(f"dose-{a_name}"), refined(f"dose-{b_name}")   # refine's first
     evals = lambda run: [r for r in rows(run, "metrics.jsonl") if "kl" in r]
     probed = lambda run: [r for r in evals(run) if r["step"] in
                           {p["step"] for p in rows(run, "probe.jsonl") if p["n_test"] == 8000}]
