@@ -541,8 +541,10 @@ def compare(table, setting, spec_a, spec_b):
                 d2 = paired_difference([counts(a)], [counts(ranked[1])], n_seeds)[2]
                 text += f"; next-best B@{ranked[1]['step']}: diff {d2:+.4f}"
             lines.append(text)
-        verdict = ("" if se_mean is None else f" ± {se_mean:.4f} (se over seeds) -> "
-                   f"{'exceeds' if abs(mean) > 2 * se_mean else 'within'} 2 se across seeds")
+        lo, hi = t_interval(diffs)[2:] if se_mean is not None else (None, None)
+        verdict = ("" if se_mean is None else f" ± {se_mean:.4f} (se over seeds; 95 % {lo:+.4f} "
+                   f"to {hi:+.4f}) -> {'exceeds' if abs(mean) > 2 * se_mean else 'within'} 2 se "
+                   f"across seeds")
         lines.append(f"  mean over {len(diffs)} seeds: {mean:+.4f}{verdict}; "
                      f"{sum(d > 0 for d in diffs)}/{len(diffs)} seeds positive")
         if all(len(ranked) > 1 for _, ranked, _ in matches):
@@ -563,7 +565,9 @@ def same_loss_lines(pairs, spec_a, spec_b):
     if matched:
         (d, d_se), (r, r_se), (k, n) = same_loss_statistic(matched)
         k_seeds = len({s for s, _, _ in matched})
-        text[0] += (f" in {k_seeds} seeds: acc {d:+.4f}" + (f" ± {d_se:.4f}" if d_se else "")
+        t95 = T95[min(k_seeds - 2, len(T95) - 1)]                  # Student's t on k - 1 df
+        text[0] += (f" in {k_seeds} seeds: acc {d:+.4f}" + (
+            f" ± {d_se:.4f} (95 % {d - t95 * d_se:+.4f} to {d + t95 * d_se:+.4f})" if d_se else "")
                     + f", log Tr ratio {r:+.3f}" + (f" ± {r_se:.3f}" if r_se else "")
                     + f" (Tr x{math.exp(r):.2f}); the flatter side is the more accurate in "
                     f"{k}/{n} pairs")

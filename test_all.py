@@ -3876,8 +3876,10 @@ def test_probe_summary_paired_comparison_across_seeds(tmp_path, capsys):
         assert f"seed {seed}: A e1-s{seed}@1000" in out
         assert f"diff {d.mean():+.4f} ± {se:.4f}" in out
     means = [d.mean() for d in differences]
-    assert (f"mean over 3 seeds: {np.mean(means):+.4f} ± {np.std(means, ddof=1) / math.sqrt(3):.4f}"
-            in out and "3/3 seeds positive" in out)
+    se = np.std(means, ddof=1) / math.sqrt(3)
+    lo, hi = np.mean(means) - 4.30 * se, np.mean(means) + 4.30 * se        # Student's t, 2 df
+    assert (f"mean over 3 seeds: {np.mean(means):+.4f} ± {se:.4f} (se over seeds; 95 % "
+            f"{lo:+.4f} to {hi:+.4f})" in out and "3/3 seeds positive" in out)
     probe.print_summary(columns, table, comparisons=[("slow@last", "e1@kl")])
     out = capsys.readouterr().out
     assert "B e1-s0@2000" in out and "|dKL| = 0.1 se (matched)" in out
@@ -3992,7 +3994,9 @@ def test_probe_same_loss_statistic_equals_numpy(tmp_path):
                           for key in ("diff", "log_ratio")] for s in range(3)])
     mean, se = per_seed.mean(0), per_seed.std(0, ddof=1) / np.sqrt(3)
     wins = sum((v["diff"] > 0) == (v["log_ratio"] < 0) for v in matched.values())
-    expected = (f"6 matched pairs in 3 seeds: acc {mean[0]:+.4f} ± {se[0]:.4f}, log Tr ratio "
+    lo, hi = mean[0] - 4.30 * se[0], mean[0] + 4.30 * se[0]          # Student's t on 2 df
+    expected = (f"6 matched pairs in 3 seeds: acc {mean[0]:+.4f} ± {se[0]:.4f} (95 % {lo:+.4f} "
+                f"to {hi:+.4f}), log Tr ratio "
                 f"{mean[1]:+.3f} ± {se[1]:.3f} (Tr x{math.exp(mean[1]):.2f}); the flatter side is "
                 f"the more accurate in {wins}/6 pairs")
     assert expected in lines[-2], lines[-2]
