@@ -2309,6 +2309,24 @@ def test_train_decay_branch_equals_warmup_stable_decay_run(train_const_runs):
     assert stored["branch_from"].endswith("ckpt_0000020.pt") and stored["decay_steps"] == 20
 
 
+def test_train_decay_branch_evaluated_more_often_is_the_same_run(train_const_runs):
+    """A branch evaluated and checkpointed every 5 steps instead of every 10 trains the same
+    weights (e1_dose.sh refine's premise): evaluation draws nothing from the training stream."""
+    runs, source, _ = train_const_runs
+    branch = lambda name, every: train.train(train.parse_args([
+        "--branch-from", os.path.join(source, "ckpt_0000020.pt"), "--decay-steps", "20",
+        "--runs", str(runs), "--log-every", "5", "--eval-every", every, "--ckpt-every", every,
+        "--name", name]))
+    coarse, fine = branch("every10", "10"), branch("every5", "5")
+    kl = lambda run: {r["step"]: r["kl"] for r in _train_rows(run) if "kl" in r}
+    assert sorted(kl(fine)) == [25, 30, 35, 40] and sorted(kl(coarse)) == [30, 40]
+    assert all(kl(fine)[s] == kl(coarse)[s] for s in (30, 40))
+    for step in (30, 40):
+        a = _weights(os.path.join(coarse, f"ckpt_{step:07d}.pt"))
+        b = _weights(os.path.join(fine, f"ckpt_{step:07d}.pt"))
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("run, extra, message", [
     ("wsd", [], "already decays"),
     ("src", ["--lr", "1"], "keeps its run's arguments"),
