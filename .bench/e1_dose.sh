@@ -90,12 +90,13 @@ pair() {  # the margin (se), the floor's checkpoint, the other run's two of near
 import json, os, sys
 import probe, train
 R, s, a_name, b_name = sys.argv[1:]
-refined = lambda name: next(r for r in (f"{name}f-s{s}", f"{name}-s{s}") if os.path.isdir(r))
-runs = [refined(f"{R}/dose-{a_name}"), refined(f"{R}/dose-{b_name}")]   # refine's reruns first
+runs = [f"{R}/dose-{a_name}-s{s}", f"{R}/dose-{b_name}-s{s}"]
 evals = lambda run: [r for r in map(json.loads, open(f"{run}/metrics.jsonl")) if "kl" in r]
 if evals(runs[1])[-1]["kl"] > evals(runs[0])[-1]["kl"]:   # the floor of higher KL is the one
     runs.reverse()                                        # whose KL the other run passes
 F = evals(runs[0])[-1]
+fine = runs[1][:-len(f"-s{s}")] + f"f-s{s}"               # refine's rerun of the other, if any
+runs[1] = fine if os.path.isdir(fine) else runs[1]
 ranked, margin = probe.match_kl(F["kl"], F["kl_se"], evals(runs[1]))
 print(f"{margin:.2f}", *(train.ckpt_path(run, r["step"]) for run, r in
                          [(runs[0], F)] + [(runs[1], r) for r in ranked[:2]]), runs[1])
@@ -153,22 +154,24 @@ SETTINGS = [("linear", 4000), ("linear", 500), ("finetune", 500)]   # as measure
 gains = {k: [] for k in SETTINGS}
 ratios = []
 for s in seeds:
-    refined = lambda name: next((r for r in (f"{name}f-s{s}", f"{name}-s{s}")
-                                 if os.path.isdir(f"{R}/{r}")), f"{name}-s{s}")
-    a_run, b_run = refined(f"dose-{a_name}"), refined(f"dose-{b_name}")   # refine's first
+    a_run, b_run = f"dose-{a_name}-s{s}", f"dose-{b_name}-s{s}"
     evals = lambda run: [r for r in rows(run, "metrics.jsonl") if "kl" in r]
     probed = lambda run: [r for r in evals(run) if r["step"] in
                           {p["step"] for p in rows(run, "probe.jsonl") if p["n_test"] == 8000}]
-    if not (evals(a_run) and probed(b_run)):
+    fine = lambda run: f"{run[:-len(f'-s{s}')]}f-s{s}"     # refine's rerun, if any
+    refined = lambda run: fine(run) if os.path.isdir(f"{R}/{fine(run)}") else run
+    if not (evals(a_run) and evals(b_run) and probed(refined(b_run))):
         how = (f"AGAINST=larger SIZE={size} " if against == "larger" else
                (f"SIZE={size} " if size else "") + f"LATE={b_name[len(size) + 1:]} ")
         print(f"seed {s}: not measured yet ({how}bash .bench/e1_dose.sh measure {s})")
         continue
     A, B = evals(a_run)[-1], evals(b_run)[-1]            # the floors; the one of higher KL is
     if B["kl"] > A["kl"]:                                # paired with the other's checkpoint
+        a_run = refined(a_run)
         ranked, margin = probe.match_kl(B["kl"], B["kl_se"], probed(a_run))
         A = ranked[0]
     else:
+        b_run = refined(b_run)
         ranked, margin = probe.match_kl(A["kl"], A["kl_se"], probed(b_run))
         B = ranked[0]
     tr = {(run, r["step"]): r for run in (a_run, b_run) for r in rows(run, "hessian.jsonl")}
