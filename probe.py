@@ -253,6 +253,11 @@ def same_loss_statistic(pairs):
 T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18)  # t, df 1..12
 
 
+def t95(k):
+    """Student's t of a 95 % interval for the mean of k values: k - 1 df (beyond 12, 12's)."""
+    return T95[min(k - 2, len(T95) - 1)]
+
+
 def t_interval(values):
     """Mean of k >= 2 per-seed values, its se (std ddof=1 / sqrt k) and the 95 % t-interval on
     k - 1 df (the evidence standard across training seeds; beyond 12 df, 12's t, a little wide)
@@ -261,7 +266,7 @@ def t_interval(values):
     if len(v) < 2:
         raise ValueError(f"a t-interval needs two or more values; got {len(v)}")
     se = float(v.std(ddof=1) / math.sqrt(len(v)))
-    t = T95[min(len(v) - 2, len(T95) - 1)]
+    t = t95(len(v))
     return float(v.mean()), se, float(v.mean()) - t * se, float(v.mean()) + t * se
 
 
@@ -565,9 +570,9 @@ def same_loss_lines(pairs, spec_a, spec_b):
     if matched:
         (d, d_se), (r, r_se), (k, n) = same_loss_statistic(matched)
         k_seeds = len({s for s, _, _ in matched})
-        t95 = T95[min(k_seeds - 2, len(T95) - 1)]                  # Student's t on k - 1 df
+        t = t95(k_seeds)
         text[0] += (f" in {k_seeds} seeds: acc {d:+.4f}" + (
-            f" ± {d_se:.4f} (95 % {d - t95 * d_se:+.4f} to {d + t95 * d_se:+.4f})" if d_se else "")
+            f" ± {d_se:.4f} (95 % {d - t * d_se:+.4f} to {d + t * d_se:+.4f})" if d_se else "")
                     + f", log Tr ratio {r:+.3f}" + (f" ± {r_se:.3f}" if r_se else "")
                     + f" (Tr x{math.exp(r):.2f}); the flatter side is the more accurate in "
                     f"{k}/{n} pairs")
