@@ -16,7 +16,8 @@
 #   refine     where the pair's nearest checkpoint is >= 2 se from the floor's KL (the decay's
 #              KL can fall by 0.002 in 25 steps, 10 of its se), that decay again with a checkpoint
 #              and an evaluation every 5 steps (run name + f): the same trajectory, checked bit for
-#              bit at the 25-step checkpoints; measure and report then take its checkpoints.
+#              bit at the 25-step checkpoints; measure and report then match against it (a
+#              floor stays its first run's).
 #   report     per seed and across seeds: the pair, its traces, B - A per probe setting.
 #   larger     E2 (Figs. 2, 5): a larger model of tf-deep's family (SIZE=L4H4, the default: 4
 #              layers x 4 heads, 796K parameters, 4x tf-deep's 201K; SIZE=L8H2: 8 layers x 2
@@ -37,7 +38,7 @@
 #   bash .bench/e1_dose.sh measure SEED      (refine SEED first: a no-op where matched)
 #   bash .bench/e1_dose.sh report SEED ...
 #   SIZE=L8H2 bash .bench/e1_dose.sh larger SEED   (then AGAINST=larger SIZE=L8H2 measure ..)
-#   SIZE=L4H4 LATE=10 bash .bench/e1_dose.sh construct|measure SEED     (E1 within the 4 x 4)
+#   SIZE=L4H4 LATE=10 bash .bench/e1_dose.sh construct|refine|measure SEED  (E1 within the 4 x 4)
 set -eu
 case ${1:-} in low|construct|refine|measure|report|larger) ;; *)
   echo "e1_dose.sh: WAY must be low, construct, refine, measure, report or larger (see header)" >&2
