@@ -3,21 +3,20 @@
 The true conditional Pr(x_t = w | x_-t) gives the optimal MLM loss (its entropy, §2.1), the
 exact KL of a model to the truth (App. A.4) and the Bayes labels of the downstream tasks.
 `HMM` (the paper's HMM set) has it by forward-backward, `PCFG` (a grammar in Chomsky normal
-form: the PCFG set; `parse_rules` reads the authors' rule files) by inside-outside. Both
+form: the PCFG set) by inside-outside. Both
 have sample / sentences, mlm_conditional, tasks / n_classes / task_data and spec (what
 checkpoints store; language_from_spec). Words are 0..V-1, then mask_id(V) and pad_id(V).
 
 Reading order: mask_one; hmm_forward_backward, hmm_state_posterior, HMM; inside, outside,
-pcfg_conditional, PCFG; mlm_entropy; the samplers and the random grammar they call. After the
-plumbing banner: validation, the rule-file reader, the fast inside-outside of the paper-size
-grammars (FAST_INSIDE_OUTSIDE; every CPU-scale grammar runs the plain form), and the command
-line with what the later scripts share of it (flag types, whole writes and appends, the JSON
-rows reader, the one-line exits of data.command).
+pcfg_conditional, PCFG; mlm_entropy; the samplers and the random grammar they call; LANGUAGES.
+After the plumbing banner: validation, and the command line with what the later scripts share
+of it (flag types, whole writes and appends, the JSON rows reader, data.command's one-line
+exits).
 
 Run (prints the language, its tasks and optimal MLM loss; writes sentences, task labels and
 the spec, read back by torch.load(FILE, weights_only=True)):
     python data.py hmm --n 10000 --out hmm.pt
-    python data.py pcfg --n 1000 --rules rule_deep_mlm.txt --out a.pt   # authors' grammar
+    python data.py my_grammar.json --n 1000 --out a.pt   # a spec file (.bench/rules_to_spec.py)
     python data.py pcfg-small --n 200 --conditionals --out s.pt         # + exact conditionals
 """
 import argparse
@@ -28,45 +27,11 @@ import math
 import os
 import signal
 import sys
-import warnings
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 N_SPECIAL = 2  # [MASK] and [PAD] follow the V words
-
-# The switch between the paper's plain inside() / outside() (False: what a student writes) and
-# _InsideOutside (True: scaled and block-sparse; the tests hold the two equal). None picks the
-# plain form up to 32 symbols (every CPU-scale grammar: pcfg-small, pcfg-deep) and the fast one
-# above (the paper-size grammars, where the plain form is slow and nears float64 underflow).
-FAST_INSIDE_OUTSIDE = None
-
-HMM_SMALL = dict(n_states=20, vocab_size=50, n_blocks=2, length=16)  # "hmm-small": CPU scale
-
-# The CPU-scale PCFG ("pcfg-small"): a grammar a small transformer saturates on one CPU thread.
-# Four levels keep sentences <= 8 words, so tasks A, B, C all name the root; task D, the symbol
-# spanning words 3-4, is almost a function of its two words: the negative control beside
-# pcfg-deep.
-PCFG_SMALL = dict(n_symbols=10, vocab_size=24, n_levels=4, rules_per_symbol=4,
-                  words_per_symbol=12, max_len=8, span_tasks={"D": (2, 2)})
-
-# The hierarchical PCFG ("pcfg-deep"): the Random Hierarchy Model (Cagnetta et al., 2024) written
-# as a CNF grammar, not the paper's App. A.1 grammar. PCFG.hierarchy with n_levels = 3: levels
-# 0..3 of 8 symbols each; a symbol of levels 0..2 has 4 rules A -> B C onto the next level, no
-# pair shared, and each level-3 symbol emits one word. Every sentence has 2^3 = 8 words and one
-# parse, so the root (task A) is a function of all 8 words, far from any one of them.
-PCFG_DEEP = dict(n_per_level=8, rules_per_symbol=4, n_levels=3)
-
-# The named languages (train.py --lang and this CLI), each a function of the language's seed.
-LANGUAGES = {
-    "hmm-small": lambda seed: HMM.random(seed=seed, **HMM_SMALL),   # the CPU experiments'
-    "hmm": lambda seed: HMM.random(seed=seed),                    # the paper's: 100 states, V=200
-    "pcfg": lambda seed: PCFG.random(seed=seed),                  # the paper's: 50 symbols, V=200
-    "pcfg-small": lambda seed: PCFG.random(seed=seed, **PCFG_SMALL),
-    "pcfg-deep": lambda seed: PCFG.hierarchy(seed=seed, **PCFG_DEEP),
-}
-
 
 # ------------------------------------------------------------ special ids, masking (§2.1) ---
 
@@ -352,9 +317,9 @@ class PCFG:
     binary[A,B,C], A -> w with lexical[A,w], the top symbol from `root`; sentences longer than
     `max_len` are rejected when sampling (which leaves Pr(x_t | x_-t) unchanged). Tasks A, B,
     C classify the symbol spanning the first 32, 16, 8 words; `span_tasks` {name: (start,
-    width)} adds the symbol spanning exactly words [start, start + width). Probabilities come
-    from inside(), outside() and pcfg_conditional() on each sentence length, or from
-    _InsideOutside (FAST_INSIDE_OUTSIDE, for grammars of the paper's size)."""
+    width)} adds the symbol spanning exactly words [start, start + width) (0-based start).
+    Probabilities come from inside(), outside() and pcfg_conditional(), one sentence length at
+    a time."""
 
     TASK_SPAN = {"A": 32, "B": 16, "C": 8}  # App. A.1: tasks A, B, C use span length L
 
@@ -370,7 +335,6 @@ class PCFG:
         self.n_symbols, self.vocab_size, self.max_len = S, V, int(max_len)
         self.symbols, self.words = symbols and list(symbols), words and list(words)
         self.origin = origin or {}
-        self._io = _InsideOutside(root, binary, lexical)
         # sampling tables: a symbol's rule is one outcome, B*S+C (A -> B C) or S*S+w (A -> w)
         self._rule_cdf = _cdf_table(torch.cat([binary.reshape(S, S * S), lexical], 1))
         self._root_cdf = _cdf_table(root[None])
@@ -451,8 +415,6 @@ class PCFG:
         """Exact Pr(x_t = w | x_-t) [n, T, V] float64 (pcfg_conditional) for any lengths; zero
         at t >= length; mask_id words are summed out."""
         tokens, lengths = self._checked(tokens, lengths)
-        if self._fast():
-            return self._io.conditional(tokens, lengths)
         out = torch.zeros(*tokens.shape, self.vocab_size, dtype=torch.float64)
         for rows, L in self._by_length(lengths):
             p = pcfg_conditional(self.root, self.binary, self.lexical, tokens[rows, :L])
@@ -479,10 +441,6 @@ class PCFG:
     def _checked(self, tokens, lengths):
         return _check_sentences("PCFG", tokens, lengths, self.vocab_size)[:2]
 
-    def _fast(self):
-        """FAST_INSIDE_OUTSIDE, or (None) whether the grammar has more than 32 symbols."""
-        return self.n_symbols > 32 if FAST_INSIDE_OUTSIDE is None else FAST_INSIDE_OUTSIDE
-
     @staticmethod
     def _by_length(lengths):
         """(rows, L) for each sentence length L: the plain forms take one length at a time."""
@@ -505,8 +463,6 @@ class PCFG:
         L = self._span_length(task)
         tokens, lengths = self._checked(tokens, lengths)
         start, width = (0, lengths.clamp(max=L)) if L is not None else self.span_tasks[task]
-        if self._fast():
-            return self._io.constituent_posterior(tokens, lengths, start, width)
         end = start + torch.as_tensor(width).expand(len(lengths))
         spans = self.span_posteriors(tokens, lengths)[torch.arange(len(lengths)), start]
         return torch.where((end <= lengths)[:, None], spans[torch.arange(len(lengths)),
@@ -668,13 +624,50 @@ def _layered_grammar(n_symbols, vocab_size, seed, n_levels, rules_per_symbol, p_
     return root, binary, lexical
 
 
+# =========================================== the named languages (train.py --lang, this CLI) ===
+
+HMM_SMALL = dict(n_states=20, vocab_size=50, n_blocks=2, length=16)  # "hmm-small": CPU scale
+
+# The CPU-scale PCFG ("pcfg-small"): a grammar a small transformer saturates on one CPU thread.
+# Four levels keep sentences <= 8 words, so tasks A, B, C all name the root; task D, the symbol
+# spanning words [2, 4) (0-based: the third and fourth), is almost a function of its two words:
+# the negative control beside pcfg-deep.
+PCFG_SMALL = dict(n_symbols=10, vocab_size=24, n_levels=4, rules_per_symbol=4,
+                  words_per_symbol=12, max_len=8, span_tasks={"D": (2, 2)})
+
+# The hierarchical PCFG ("pcfg-deep"): the Random Hierarchy Model (Cagnetta et al., 2024) written
+# as a CNF grammar, not the paper's App. A.1 grammar. PCFG.hierarchy with n_levels = 3: levels
+# 0..3 of 8 symbols each; a symbol of levels 0..2 has 4 rules A -> B C onto the next level, no
+# pair shared, and each level-3 symbol emits one word. Every sentence has 2^3 = 8 words and one
+# parse, so the root (task A) is a function of all 8 words, far from any one of them.
+PCFG_DEEP = dict(n_per_level=8, rules_per_symbol=4, n_levels=3)
+
+# Each a function of the language's seed.
+LANGUAGES = {
+    "hmm-small": lambda seed: HMM.random(seed=seed, **HMM_SMALL),   # the CPU experiments'
+    "hmm": lambda seed: HMM.random(seed=seed),                    # the paper's: 100 states, V=200
+    "pcfg": lambda seed: PCFG.random(seed=seed),                  # the paper's: 50 symbols, V=200
+    "pcfg-small": lambda seed: PCFG.random(seed=seed, **PCFG_SMALL),
+    "pcfg-deep": lambda seed: PCFG.hierarchy(seed=seed, **PCFG_DEEP),
+}
+
+
 # ================================================================================ plumbing ===
 
-def build_language(name, seed=0, rules=None):
-    """The named language of `seed` (LANGUAGES), or the PCFG of a rule file."""
-    if rules and name != "pcfg":
-        raise ValueError(f"a rule file gives a pcfg, not {name}")
-    return PCFG(**parse_rules(_read_rules(rules), str(rules))) if rules else LANGUAGES[name](seed)
+def build_language(name, seed=0):
+    """The language `name` of `seed` (LANGUAGES), or the one whose spec() a .json file at `name`
+    holds (train.py --lang, this CLI); a one-line ValueError otherwise."""
+    if name in LANGUAGES:
+        return LANGUAGES[name](seed)
+    if not str(name).endswith(".json"):
+        raise ValueError(f"unknown language {name!r}; choose one of {', '.join(LANGUAGES)} or "
+                         f"give a .json file holding a spec()")
+    try:
+        with open(name, encoding="utf-8") as f:
+            return language_from_spec(json.load(f))
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{name}: not a readable language spec "
+                         f"({type(e).__name__}: {first_line(e)})") from None
 
 
 def language_from_spec(spec):
@@ -811,251 +804,6 @@ def _check_span_tasks(span_tasks, max_len, reserved):
             raise ValueError(f"span task {name!r}: {where!r} must be (start, width), start >= 0, "
                              f"width >= 1, start + width <= max_len = {max_len}, not A, B or C")
     return {name: tuple(where) for name, where in (span_tasks or {}).items()}
-
-
-def _components(link):
-    """Connected components of the graph of a symmetric boolean matrix [N, N]: each node's
-    label is the smallest node id in its component."""
-    label = torch.arange(link.shape[0])
-    while True:  # each node takes its neighbours' smallest label until nothing changes
-        new = torch.minimum(label, torch.where(link, label[None, :], len(label)).min(1).values)
-        if torch.equal(new, label):
-            return label
-        label = new
-
-
-# ---------------------------------------------------------------- the authors' rule files ---
-
-def parse_rules(text, where="<text>", tol=1e-2):
-    """PCFG arguments (root, binary, lexical, symbols, words, origin) of rules written one a line,
-    `LHS RHS1 [RHS2] probability` (`#` comments), as the authors' `rule_deep_mlm.txt`
-    (Liuhong99/implicitbiasmlmcode); `where` names the source in errors. A right-hand side that
-    is no left-hand side is a word. The first rule's left-hand side starts: its unary rules
-    `START S1 p` give the root distribution (else it is the root). Ids follow first appearance;
-    each symbol's probabilities are renormalised unless off 1 by more than `tol`."""
-    def fail(what, no=None):
-        raise ValueError(f"{where}" + (f", line {no}" if no else "") + f": {what}")
-    rules = []  # (line number, lhs, [rhs...], probability)
-    for no, line in enumerate(text.splitlines(), 1):
-        f = line.split("#", 1)[0].split()
-        if f and len(f) not in (3, 4):
-            fail(f"expected 'LHS RHS1 [RHS2] probability', got {len(f)} fields", no)
-        try:
-            p = float(f[-1]) if f else 0.0
-        except ValueError:
-            fail(f"probability {f[-1]!r} is not a number", no)
-        if not (math.isfinite(p) and p >= 0):
-            fail(f"probability {p} must be finite and >= 0", no)
-        rules += [(no, f[0], f[1:-1], p)] if f else []
-    if not rules:
-        fail("no rules found")
-    lhs = list(dict.fromkeys(r[1] for r in rules))
-    start = rules[0][1]
-    unary_start = any(r[1] == start and len(r[2]) == 1 and r[2][0] in lhs for r in rules)
-    symbols = [s for s in lhs if not (s == start and unary_start)]
-    words = list(dict.fromkeys(r[2][0] for r in rules if len(r[2]) == 1 and r[2][0] not in lhs))
-    if not words:
-        fail("no lexical rules (LHS word probability) found")
-    sid, wid = {s: i for i, s in enumerate(symbols)}, {w: i for i, w in enumerate(words)}
-    S, V = len(symbols), len(words)
-    root, binary, lexical = np.zeros(S), np.zeros((S, S, S)), np.zeros((S, V))
-    for no, a, rhs, p in rules:
-        if unary_start and a == start:
-            if len(rhs) != 1 or rhs[0] not in sid:
-                fail(f"the start symbol {start} has unary rules, so each of its rules must "
-                     f"name one other nonterminal", no)
-            root[sid[rhs[0]]] += p
-        elif len(rhs) == 2:
-            if not all(s in sid for s in rhs):
-                fail(f"{rhs} on the right of a binary rule are not all nonterminals", no)
-            binary[sid[a], sid[rhs[0]], sid[rhs[1]]] += p
-        elif rhs[0] in lhs:
-            fail(f"unary rule {a} -> {rhs[0]} is only allowed from the start symbol {start}", no)
-        else:
-            lexical[sid[a], wid[rhs[0]]] += p
-    if not unary_start:
-        root[sid[start]] = 1.0
-    for name, total in [(start, root.sum())] * unary_start + \
-            [(s, binary[i].sum() + lexical[i].sum()) for i, s in enumerate(symbols)]:
-        if abs(total - 1) > tol:
-            fail(f"rules of {name} sum to {total:.6g}, off by {total - 1:+.3g} (tol {tol})")
-    reached = root > 0
-    for _ in range(S):  # symbols on the right of a reached symbol's rules are reached
-        reached = reached | (binary[reached].sum((0, 2)) > 0) | (binary[reached].sum((0, 1)) > 0)
-    if not reached.all():  # harmless (the authors' grammar has one), but often a typo
-        warnings.warn(f"{where}: no derivation from the start symbol reaches "
-                      f"{', '.join(s for s, r in zip(symbols, reached) if not r)}", stacklevel=2)
-    z = binary.sum((1, 2)) + lexical.sum(1)
-    return dict(root=root / root.sum(), binary=binary / z[:, None, None],
-                lexical=lexical / z[:, None], symbols=symbols, words=words,
-                origin={"rules": where})
-
-
-def _read_rules(path):
-    """The text of a rule file, or a one-line ValueError naming it."""
-    try:
-        with open(path) as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read rule file {str(path)!r}: "
-                         f"{getattr(e, 'strerror', None) or e}") from None
-
-
-# ---------------------- the fast inside-outside (FAST_INSIDE_OUTSIDE: paper-size grammars) ---
-
-def _length_batches(lengths, size=128, spread=3):
-    """Index batches of sentences sorted by length, at most `size` long and `spread` words
-    apart, so padding to a batch's longest sentence costs little."""
-    order = lengths.argsort(stable=True)
-    srt = lengths[order].tolist()
-    batches, start = [], 0
-    for i in range(1, len(srt) + 1):
-        if i == len(srt) or i - start == size or srt[i] > srt[start] + spread:
-            batches.append(order[start:i])
-            start = i
-    return batches
-
-
-def _pair_blocks(used):
-    """The used (B, C) pairs of a boolean [S, S] matrix split into connected blocks: [(rows,
-    cols)] of symbol lists, every used pair in one block's rows x cols, no symbol in two."""
-    S = used.shape[0]
-    link = torch.zeros(2 * S, 2 * S, dtype=torch.bool)  # nodes: rows B, then columns S + C
-    link[:S, S:], link[S:, :S] = used, used.T
-    label = _components(link)
-    return [((label[:S] == l).nonzero()[:, 0].tolist(), (label[S:] == l).nonzero()[:, 0].tolist())
-            for l in label[:S][used.any(1)].unique().tolist()]
-
-
-class _InsideOutside:
-    """inside() and outside() for sentences of mixed lengths, scaled and block-sparse.
-
-    Scaling (exact): a tree over a span of width w has w leaves and w-1 binary rules, so
-    dividing position t's leaf scores by c_t and the rules by 1 / rule_scale scales the span's
-    inside score by rule_scale^(w-1) / prod c_t for all its trees: no float64 underflow.
-    Sparsity: the (B, C) pairs of the binary rules split into blocks (rows x cols; one per level
-    of a layered grammar), so the sum over splits is a few small products, not one S x S one.
-    Charts are lists over the width w of [n, T-w+1, ...] in three layouts: full (S + 1 columns,
-    the last an always-zero pad), by_row / by_col (the symbols of each block's rows / cols)."""
-
-    def __init__(self, root, binary, lexical):
-        S = root.shape[0]
-        self.root, self.binary, self.lexical = root, binary, lexical
-        blocks = _pair_blocks(binary.sum(0) > 0) or [([0], [0])]
-        self.n_blocks, self.n_columns = len(blocks), S + 1
-        self.block_rows = max(len(r) for r, _ in blocks)
-        self.block_cols = max(len(c) for _, c in blocks)
-        rows = torch.full((self.n_blocks, self.block_rows), S)  # S: the always-zero column
-        cols = torch.full((self.n_blocks, self.block_cols), S)
-        for g, (r, c) in enumerate(blocks):
-            rows[g, :len(r)], cols[g, :len(c)] = torch.tensor(r), torch.tensor(c)
-        nz = binary[binary > 0]
-        self.rule_scale = 1.0 / nz.mean().item() if nz.numel() else 1.0
-        ext = torch.zeros(S + 1, S + 1, S + 1, dtype=torch.float64)
-        ext[:S, :S, :S] = binary * self.rule_scale
-        # rules_by_pair[(g, i, j), A] = scaled binary[A, rows[g, i], cols[g, j]]
-        self.rules_by_pair = ext[:, rows[:, :, None], cols[:, None, :]].reshape(S + 1, -1).T \
-            .contiguous()
-        self.row_symbol, self.col_symbol = rows.reshape(-1), cols.reshape(-1)
-        self.rules_by_layout = torch.cat([self.rules_by_pair,  # one product fills all layouts
-                                          self.rules_by_pair[:, self.row_symbol],
-                                          self.rules_by_pair[:, self.col_symbol]], 1)
-
-    def inside(self, leaf):
-        """(full, by_row, by_col) from scaled leaves [n, T, S+1]: per width, the sum over
-        splits k is one batched product before the rules: pairs[B, C] = Σ_k in(B) in(C)."""
-        n, T = leaf.shape[:2]
-        full = [None, leaf]
-        by_row, by_col = [None, leaf[..., self.row_symbol]], [None, leaf[..., self.col_symbol]]
-        n_row = len(self.row_symbol)
-        for w in range(2, T + 1):
-            left, right_t = self.children(by_row, by_col, w)
-            pairs = torch.bmm(left, right_t.transpose(1, 2)).view(n, T - w + 1, -1)
-            new = pairs @ self.rules_by_layout
-            full.append(new[..., :self.n_columns])
-            by_row.append(new[..., self.n_columns:self.n_columns + n_row])
-            by_col.append(new[..., self.n_columns + n_row:])
-        return full, by_row, by_col
-
-    def children(self, by_row, by_col, w):
-        """Inside scores of the children of the spans of width w, splits k = 1..w-1, for bmm:
-        left [n * spans * n_blocks, block_rows, w-1], right [.., block_cols, w-1]."""
-        n, T = by_row[1].shape[:2]
-        spans = T - w + 1
-        N = n * spans * self.n_blocks
-        left = torch.stack([by_row[k][:, :spans] for k in range(1, w)], -1)
-        right = torch.stack([by_col[w - k][:, k:k + spans] for k in range(1, w)], -1)
-        return left.view(N, self.block_rows, w - 1), right.view(N, self.block_cols, w - 1)
-
-    def outside(self, inside, lengths):
-        """Scaled outside scores out[w] [n, T-w+1, S+1], the exact reverse of inside(); the
-        children's shares are gathered in the block layouts, scattered back once per width."""
-        full, by_row, by_col = inside
-        n, T, _ = full[1].shape
-        out = [None] + [torch.zeros_like(c) for c in full[1:]]
-        out_row = [None] + [torch.zeros_like(c) for c in by_row[1:]]
-        out_col = [None] + [torch.zeros_like(c) for c in by_col[1:]]
-        for w in range(T, 0, -1):
-            spans = T - w + 1
-            out[w][(lengths == w).nonzero()[:, 0], 0, :-1] += self.root
-            out[w].index_add_(2, self.row_symbol, out_row[w])
-            out[w].index_add_(2, self.col_symbol, out_col[w])
-            if w == 1:
-                break
-            left, right_t = self.children(by_row, by_col, w)
-            per_pair = (out[w] @ self.rules_by_pair.T).view(
-                n * spans * self.n_blocks, self.block_rows, self.block_cols)
-            to_left = torch.bmm(per_pair, right_t).view(n, spans, -1, w - 1)
-            to_right = torch.bmm(per_pair.transpose(1, 2), left).view(n, spans, -1, w - 1)
-            for k in range(1, w):
-                out_row[k][:, :spans] += to_left[..., k - 1]
-                out_col[w - k][:, k:k + spans] += to_right[..., k - 1]
-        return out
-
-    def batches(self, tokens, lengths, outside=True):
-        """Per batch of similar lengths: (idx, lengths, log c_t [b, T], the scaled inside score
-        of each whole sentence [b, S], inside chart, outside chart or None), full layout."""
-        for idx in _length_batches(lengths):
-            L, x = lengths[idx], tokens[idx, :int(lengths[idx].max())]
-            valid = torch.arange(x.shape[1]) < L[:, None]
-            leaf = pcfg_leaves(self.lexical, x)
-            c = leaf.amax(-1)
-            c = torch.where(valid & (c > 0), c, torch.ones_like(c))
-            leaf = torch.where(valid[..., None], leaf / c[..., None], torch.zeros_like(leaf))
-            inside = self.inside(F.pad(leaf, (0, 1)))
-            top = torch.stack([inside[0][l][r, 0, :-1] for r, l in enumerate(L.tolist())])
-            yield idx, L, c.log(), top, inside[0], self.outside(inside, L) if outside else None
-
-    def conditional(self, tokens, lengths):
-        n, T = tokens.shape
-        out = torch.zeros(n, T, self.lexical.shape[1], dtype=torch.float64)
-        for idx, L, _, _, _, outer in self.batches(tokens, lengths):
-            p = outer[1][..., :-1] @ self.lexical  # [b, T', V]
-            z = p.sum(-1, keepdim=True)
-            valid = torch.arange(p.shape[1]) < L[:, None]
-            _refuse((valid & (z[..., 0] <= 0)).any(1), idx, "",
-                    " under the grammar even with one word masked: no conditional exists")
-            out[idx, :p.shape[1]] = torch.where(valid[..., None], p / z.clamp_min(1e-300), 0.0)
-        return out
-
-    def constituent_posterior(self, tokens, lengths, start, width):
-        """Pr(s spans exactly words [start, start + width) | x) [n, S]; width an int or [n]
-        (tasks A/B/C: min(L, length)); zero where the sentence is shorter than the span."""
-        S = self.root.shape[0]
-        width = torch.as_tensor(width).expand(len(lengths))
-        out = torch.zeros(len(lengths), S, dtype=torch.float64)
-        for idx, L, _, top, chart, outer in self.batches(tokens, lengths):
-            z = self._probability(top, idx)
-            for r, w in enumerate(width[idx].tolist()):
-                if start + w <= int(L[r]):
-                    out[idx[r]] = chart[w][r, start, :S] * outer[w][r, start, :S] / z[r]
-        return out
-
-    def _probability(self, top, idx):
-        """Scaled Pr(x) [b] of the sentences idx, or a ValueError if one has probability 0."""
-        z = torch.stack([row @ self.root for row in top])
-        _refuse(z <= 0, idx, "", " under the grammar: no span posterior exists")
-        return z
 
 
 # ========================= the CLI: flag types and whole writes, shared with later scripts ===
@@ -1233,11 +981,10 @@ def _parser():
                                 "task labels and the generator's spec, for torch.load(FILE, "
                                 "weights_only=True).")
     a = p.add_argument
-    a("kind", choices=list(LANGUAGES), help="which language (data.LANGUAGES)")
+    a("kind", help=f"one of {', '.join(LANGUAGES)}, or a spec .json file")
     a("--n", type=int_flag(1), default=10000, help="number of sentences")
     a("--seed", type=int_flag(0, SEED_MAX), default=0, help="seed of the language and the sample")
     a("--out", required=True, help="output file (.pt)")
-    a("--rules", help="pcfg only: the grammar of this rule file (parse_rules)")
     a("--conditionals", action="store_true",
       help="also store the exact conditionals Pr(x_t | x_-t) [n, T, V] (large)")
     threads_flag(p)
@@ -1259,9 +1006,9 @@ def sample_to_file(argv=None):
     if bad:  # before any sampling: a bad --out would otherwise fail after minutes of work
         p.error(bad)
     try:
-        lang = build_language(args.kind, args.seed, args.rules)
+        lang = build_language(args.kind, args.seed)
     except ValueError as e:
-        p.error(f"--rules: {e}")
+        p.error(str(e))
     try:
         tokens, lengths = lang.sentences(args.n, seed=args.seed)
     except ValueError as e:  # a grammar whose sentences are (almost) never short enough

@@ -541,17 +541,15 @@ def _data_batch(xs, T, V):
 _DATA_XS = [[0, 1, 2, 1], [1, 1, 0, 2, 2, 1], [0], [2, 1], [1, 0, 1, 1, 2]]
 _DATA_SAME_LENGTH = [[0, 1, 2, 1], [2, 1, 1, 0], [1, 3, 2, 1], [3, 0, 3, 1]]  # 3 = mask_id(3)
 
-_DATA_RULES = """# a small grammar in the authors' format
-S S_a 0.75
-S S_b 0.25
-S_a X Y 1.0
-S_b Y X 1.0
-X X Y 0.25
-X cat 0.5
-X dog 0.25
-Y dog 0.6
-Y runs 0.4
-"""
+def _data_rules_pcfg(**kwargs):
+    """4 symbols S_a, S_b, X, Y over the words cat, dog, runs: the root is S_a 0.75 | S_b 0.25;
+    S_a -> X Y; S_b -> Y X; X -> X Y 0.25 | cat 0.5 | dog 0.25; Y -> dog 0.6 | runs 0.4."""
+    b = torch.zeros(4, 4, 4, dtype=torch.float64)
+    lx = torch.zeros(4, 3, dtype=torch.float64)
+    b[0, 2, 3], b[1, 3, 2], b[2, 2, 3] = 1.0, 1.0, 0.25
+    lx[2, 0], lx[2, 1], lx[3, 1], lx[3, 2] = 0.5, 0.25, 0.6, 0.4
+    return data.PCFG([0.75, 0.25, 0, 0], b, lx, symbols=["S_a", "S_b", "X", "Y"],
+                     words=["cat", "dog", "runs"], **kwargs)
 
 
 def _data_leaves(g, tokens):
@@ -601,7 +599,7 @@ def test_data_outside_equals_stand_in_subtrees():
     [i, j) replaced by a stand-in leaf that only a generates (pure-Python inside recursion); in
     chart's dtype and device, the inputs left unchanged."""
     for g, xs in ((_data_tiny_pcfg(), _DATA_SAME_LENGTH), (_data_tiny_pcfg(), [[1, 0, 2]]),
-                  (data.PCFG(**data.parse_rules(_DATA_RULES)), [[0, 2, 1, 1, 2]])):
+                  (_data_rules_pcfg(), [[0, 2, 1, 1, 2]])):
         L, S = len(xs[0]), g.n_symbols
         brute = torch.zeros(len(xs), L + 1, L + 1, S, dtype=torch.float64)
         for n, x in enumerate(xs):
@@ -643,7 +641,7 @@ def test_data_pcfg_conditional_plain_equals_brute_force():
                 assert torch.allclose(cond[n, t], brute, atol=1e-12, rtol=0), (n, t)
     # "cat cat cat", "cat dog cat", "runs runs dog" have probability 0 under _DATA_RULES; a row
     # is NaN where no word at t makes the sentence possible, else the conditional
-    g = data.PCFG(**data.parse_rules(_DATA_RULES))
+    g = _data_rules_pcfg()
     xs = [[0, 0, 0], [0, 1, 0], [0, 1, 1], [2, 2, 1]]
     cond = data.pcfg_conditional(g.root, g.binary, g.lexical, torch.tensor(xs))
     for n, x in enumerate(xs):
@@ -662,14 +660,11 @@ def test_data_pcfg_conditional_plain_equals_brute_force():
     torch.testing.assert_close(cond32.double(), cond, atol=1e-6, rtol=1e-5, equal_nan=True)
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_data_pcfg_methods_equal_the_plain_passes(fast, monkeypatch):
-    """PCFG's methods, through the plain forms (FAST_INSIDE_OUTSIDE False) and through the
-    scaled, block-sparse _InsideOutside (True), equal inside / outside / pcfg_conditional on
-    sentences of mixed lengths with masks."""
-    monkeypatch.setattr(data, "FAST_INSIDE_OUTSIDE", fast)
+def test_data_pcfg_methods_equal_the_plain_passes():
+    """PCFG's methods on sentences of mixed lengths with masks equal inside / outside /
+    pcfg_conditional on each length alone."""
     for g, n in ((_data_tiny_pcfg(), 40), (data.build_language("pcfg-small"), 60),
-                 (data.PCFG(**data.parse_rules(_DATA_RULES), max_len=8), 30)):
+                 (_data_rules_pcfg(max_len=8), 30)):
         g.span_tasks["E"] = (1, 2)
         tokens, lengths = g.sentences(n, seed=5)
         tokens[::3, 0] = data.mask_id(g.vocab_size)
@@ -692,15 +687,10 @@ def test_data_pcfg_methods_equal_the_plain_passes(fast, monkeypatch):
 
 
 def _data_log_prob(g, tokens, lengths):
-    """log Pr(x) [n] of a PCFG's sentences (a test oracle): log Σ_A root[A] chart[0, L, A] by the
-    plain inside(), one length at a time, or by the fast form where the grammar takes it."""
+    """log Pr(x) [n] of a PCFG's sentences (a test oracle): log Σ_A root[A] chart[0, L, A] by
+    inside(), one length at a time."""
     tokens, lengths = torch.as_tensor(tokens), torch.as_tensor(lengths)
     out = torch.empty(len(lengths), dtype=torch.float64)
-    if g._fast():            # a paper-size grammar: the scaled inside pass, its scales undone
-        for idx, L, logc, top, _, _ in g._io.batches(tokens, lengths, outside=False):
-            out[idx] = ((top @ g.root).log() + logc.sum(1)
-                        - (L - 1).double() * math.log(g._io.rule_scale))
-        return out
     for L in lengths.unique().tolist():
         rows = (lengths == L).nonzero()[:, 0]
         chart = data.inside(g.binary, data.pcfg_leaves(g.lexical, tokens[rows, :L]))
@@ -783,14 +773,15 @@ def test_data_pcfg_span_posteriors_equal_enumerated_parses():
     the prefix spans of tasks A, B, C (width min(span, length)) and any span of a span task."""
     g = _data_tiny_pcfg()
     tokens, lengths = _data_batch(_DATA_XS, 6, 3)
-    for span in (1, 2, 3, 8):
-        post = g._io.constituent_posterior(tokens, lengths, 0, lengths.clamp(max=span))
+    for task in ("A", "B", "C"):                        # spans of 32, 16, 8 > every length here
+        post = g.task_posterior(task, tokens, lengths)
         for i, x in enumerate(_DATA_XS):
-            brute = _data_brute_constituent_posterior(g, x, 0, min(span, len(x)))
+            brute = _data_brute_constituent_posterior(g, x, 0, len(x))
             assert torch.allclose(post[i], brute, atol=1e-12, rtol=0)
     for start in range(6):
         for width in range(1, 7 - start):
-            post = g._io.constituent_posterior(tokens, lengths, start, width)
+            g.span_tasks["E"] = (start, width)
+            post = g.task_posterior("E", tokens, lengths)
             for i, x in enumerate(_DATA_XS):
                 if start + width > len(x):
                     assert post[i].abs().max() == 0  # the span is past the sentence's end
@@ -1009,9 +1000,9 @@ def test_data_pcfg_default_grammar_conditionals_length_32():
     (lambda g: data.PCFG.random(n_levels=7, max_len=32), "2\\^\\(n_levels-1\\) <= max_len"),
     (lambda g: g.mlm_conditional(torch.tensor([[0, 5]]), torch.tensor([2])), "word id"),
     (lambda g: g.span_posteriors(torch.tensor([[0, 1]]), torch.tensor([3])), "lengths"),
-    (lambda g: data.PCFG(**data.parse_rules(_DATA_RULES)).mlm_conditional(   # no one-word
+    (lambda g: _data_rules_pcfg().mlm_conditional(   # no one-word
         torch.tensor([[0, 2], [1, 0]]), torch.tensor([2, 1])), "sentence 1 has probability 0"),
-    (lambda g: data.PCFG(**data.parse_rules(_DATA_RULES)).task_posterior(     # sentences
+    (lambda g: _data_rules_pcfg().task_posterior(     # sentences
         "A", torch.tensor([[0], [1]]), torch.tensor([1, 1])), "sentence 0 has probability 0"),
     (lambda g: g.task_data("D", 5), "valid tasks are"),
     (lambda g: data.language_from_spec({"kind": "zipf"}), "unknown language kind"),
@@ -1019,30 +1010,15 @@ def test_data_pcfg_default_grammar_conditionals_length_32():
     (lambda g: data.language_from_spec({"kind": "hmm", "init": [1.0]}), "lacks the entry"),
     (lambda g: data.language_from_spec({"kind": "hmm", "init": [1], "trans": [[1]],
                                         "emit": [[0.5]], "length": 3}), "emit row 0"),
-    (lambda g: data.parse_rules("S A 1.0\nA x 1.0\nA y\n"), "line 3"),
-    (lambda g: data.parse_rules("S A 1.0\nA x p\n"), "line 2: probability 'p'"),
-    (lambda g: data.parse_rules("S A 1.0\nA x -1\n"), "line 2: probability -1.0 must be"),
-    (lambda g: data.parse_rules("S A B 1.0\nA x 1.0\n"), "line 1.*not all nonterminals"),
-    (lambda g: data.parse_rules("S A 1.0\nA x 0.5\n"), "rules of A sum to 0.5"),
-    (lambda g: data.parse_rules("S A 1.0\nA S 0.5\nA x 0.5\n"), "line 2: unary rule A -> S"),
-    (lambda g: data.parse_rules("S A 1.0\nS A B 0.5\nA x 1.0\nB y 1\n"), "line 2: the start"),
-    (lambda g: data.parse_rules("S A B 1.0\nA B 1.0\nB x 1.0\n"), "line 2: unary rule A -> B"),
-    (lambda g: data.parse_rules("# nothing\n"), "no rules found"),
-    (lambda g: data.build_language("pcfg", rules="missing_rules.txt"), "cannot read rule file"),
 ])
 def test_data_pcfg_invalid_inputs_raise(call, message):
     with pytest.raises(ValueError, match=message):
         call(_data_tiny_pcfg())
 
 
-def test_data_rule_files_and_spec_round_trips(tmp_path):
-    """A rule file read as a PCFG; every language's spec() survives JSON and rebuilds it."""
-    (tmp_path / "my rules.txt").write_text(_DATA_RULES)
-    g = data.build_language("pcfg", rules=tmp_path / "my rules.txt")
-    assert g.symbols == ["S_a", "S_b", "X", "Y"] and g.words == ["cat", "dog", "runs"]
-    assert g.root.tolist() == [0.75, 0.25, 0.0, 0.0]
-    assert g.binary[0, 2, 3] == 1.0 and g.binary[1, 3, 2] == 1.0 and g.binary[2, 2, 3] == 0.25
-    assert g.lexical.tolist() == [[0, 0, 0], [0, 0, 0], [0.5, 0.25, 0], [0, 0.6, 0.4]]
+def test_data_spec_round_trips():
+    """Every language's spec() survives JSON and rebuilds it."""
+    g = _data_rules_pcfg()
     # "cat runs" = S_a -> X Y: 0.75 * 0.5 * 0.4; no parse through S_b (Y never emits cat).
     lp = _data_log_prob(g, torch.tensor([[0, 2]]), torch.tensor([2]))
     assert abs(lp.item() - math.log(0.75 * 0.5 * 0.4)) < 1e-12
@@ -1053,12 +1029,70 @@ def test_data_rule_files_and_spec_round_trips(tmp_path):
                                                       back.sample(20, seed=7)))
 
 
-def test_data_pcfg_authors_rules_load_if_present():
+def _rules_to_spec():
+    """.bench/rules_to_spec.py, the authors' rule-file reader, as a module."""
+    spec = importlib.util.spec_from_file_location(
+        "rules_to_spec", Path(__file__).parent / ".bench" / "rules_to_spec.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda r: r.parse_rules("S A 1.0\nA x 1.0\nA y\n"), "line 3"),
+    (lambda r: r.parse_rules("S A 1.0\nA x p\n"), "line 2: probability 'p'"),
+    (lambda r: r.parse_rules("S A 1.0\nA x -1\n"), "line 2: probability -1.0 must be"),
+    (lambda r: r.parse_rules("S A B 1.0\nA x 1.0\n"), "line 1.*not all nonterminals"),
+    (lambda r: r.parse_rules("S A 1.0\nA x 0.5\n"), "rules of A sum to 0.5"),
+    (lambda r: r.parse_rules("S A 1.0\nA S 0.5\nA x 0.5\n"), "line 2: unary rule A -> S"),
+    (lambda r: r.parse_rules("S A 1.0\nS A B 0.5\nA x 1.0\nB y 1\n"), "line 2: the start"),
+    (lambda r: r.parse_rules("S A B 1.0\nA B 1.0\nB x 1.0\n"), "line 2: unary rule A -> B"),
+    (lambda r: r.parse_rules("# nothing\n"), "no rules found"),
+    (lambda r: r.read_rules("missing_rules.txt"), "cannot read rule file"),
+])
+def test_rules_to_spec_invalid_rule_files_raise(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(_rules_to_spec())
+
+
+_DATA_RULES = """# _data_rules_pcfg in the authors' format
+S S_a 0.75
+S S_b 0.25
+S_a X Y 1.0
+S_b Y X 1.0
+X X Y 0.25
+X cat 0.5
+X dog 0.25
+Y dog 0.6
+Y runs 0.4
+"""
+
+
+def test_rules_to_spec_writes_the_spec_data_and_train_read(tmp_path, capsys):
+    """A rule file converted to the spec JSON of the same grammar, read by data.py's CLI."""
+    (tmp_path / "my rules.txt").write_text(_DATA_RULES)
+    out = str(tmp_path / "g.json")
+    _rules_to_spec().main([str(tmp_path / "my rules.txt"), out])
+    g, fixture = data.build_language(out), _data_rules_pcfg()
+    assert g.symbols == fixture.symbols and g.words == fixture.words
+    for a, b in ((g.root, fixture.root), (g.binary, fixture.binary), (g.lexical, fixture.lexical)):
+        assert torch.equal(a, b)
+    data.main([out, "--n", "5", "--out", str(tmp_path / "a.pt")])
+    assert "optimal MLM loss" in capsys.readouterr().out
+    for argv, said in (([str(tmp_path / "missing.txt"), out], "cannot read rule file"),
+                       ([str(tmp_path / "my rules.txt"), str(tmp_path / "g.txt")], ".json")):
+        with pytest.raises(SystemExit, match=said) as e:
+            _rules_to_spec().main(argv)
+        assert "\n" not in str(e.value.code)
+
+
+def test_rules_to_spec_reads_the_authors_grammar_if_present():
     shared = Path(__file__).resolve().parent.parent / "shared"
     path = shared / "data" / "paper_authors_pcfg_rules.txt"
     if not path.exists():
         pytest.skip("authors' grammar not present")
-    g = data.build_language("pcfg", rules=path)
+    with pytest.warns(UserWarning, match="reaches A1_9"):
+        g = _rules_to_spec().read_rules(path)
     assert (g.n_symbols, g.vocab_size) == (49, 200) and g.symbols[0] == "S1"
     t, l = g.sentences(200, seed=0)
     assert l.max() <= 16
@@ -1078,11 +1112,10 @@ def test_data_mlm_entropy_is_mean_conditional_entropy():
 # ----------------------------------------------------------------------------------- CLI ---
 
 def test_data_cli_writes_reloadable_dataset(tmp_path, capsys):
-    rules = tmp_path / "rules.txt"
-    rules.write_text(_DATA_RULES)
+    spec = tmp_path / "rules.json"
+    spec.write_text(json.dumps(_data_rules_pcfg().spec()))
     out = tmp_path / "pcfg.pt"
-    data.main(["pcfg", "--rules", str(rules), "--n", "40", "--seed", "3", "--out", str(out),
-               "--conditionals"])
+    data.main([str(spec), "--n", "40", "--seed", "3", "--out", str(out), "--conditionals"])
     d = torch.load(out, weights_only=True)
     lang = data.language_from_spec(d["spec"])
     t, l = lang.sentences(40, seed=3)
@@ -1093,10 +1126,9 @@ def test_data_cli_writes_reloadable_dataset(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["pcfg", "--rules", "{tmp}/missing.txt"],
-     "--rules: cannot read rule file '{tmp}/missing.txt': No such file"),
-    (["pcfg", "--rules", "{tmp}/bad.txt"], "{tmp}/bad.txt, line 3: expected 'LHS RHS1 [RHS2]"),
-    (["hmm", "--rules", "{tmp}/bad.txt"], "--rules: a rule file gives a pcfg, not hmm"),
+    (["{tmp}/missing.json"], "{tmp}/missing.json: not a readable language spec (FileNotFound"),
+    (["{tmp}/bad.json"], "{tmp}/bad.json: not a readable language spec (JSONDecodeError"),
+    (["klingon"], "unknown language 'klingon'; choose one of hmm-small"),
     (["pcfg", "--out", "{tmp}/bad.txt/a.pt"],
      "--out {tmp}/bad.txt/a.pt cannot be created: {tmp}/bad.txt is a file"),
     (["pcfg", "--out", "{tmp}"], "--out {tmp} is a folder; it must be a file"),
@@ -1106,6 +1138,7 @@ def test_data_cli_writes_reloadable_dataset(tmp_path, capsys):
 ])
 def test_data_cli_errors_are_one_line_before_sampling(argv, message, tmp_path, capsys, monkeypatch):
     (tmp_path / "bad.txt").write_text("S X Y 1.0\n# a comment\nX cat\nY dog 1.0\n")
+    (tmp_path / "bad.json").write_text("{not json")
     argv = [a.format(tmp=tmp_path) for a in argv]
     argv += [] if "--out" in argv else ["--out", str(tmp_path / "a.pt")]
     argv += [] if "--n" in argv else ["--n", "3"]
@@ -1124,7 +1157,7 @@ def test_data_cli_errors_are_one_line_before_sampling(argv, message, tmp_path, c
 
 @pytest.mark.parametrize("make, expected", [
     (lambda: data.HMM.random(20, 50, n_blocks=2), "HMM(states=20, V=50, T=16)"),
-    (lambda: data.PCFG(**data.parse_rules(_DATA_RULES)), "PCFG(symbols=4, V=3, max_len=32)")])
+    (lambda: _data_rules_pcfg(), "PCFG(symbols=4, V=3, max_len=32)")])
 def test_data_languages_repr_names_their_size(make, expected):
     assert repr(make()) == expected
 
@@ -1563,7 +1596,7 @@ def test_model_head_dim_narrow_transformer(ln):
 def test_model_cpu_presets_on_their_languages(lang, preset, d, count):
     """The CPU presets, named for the languages they saturate, and their sizes there."""
     args = train.parse_args(["--lang", lang, "--preset", preset])
-    net = train.build_model(args, train.make_language(lang, 0))
+    net = train.build_model(args, data.build_language(lang, 0))
     assert net.config.d == d and model.n_params(net) == count
 
 
@@ -1632,7 +1665,7 @@ def test_train_loss_approaches_entropy(tmp_path):
         assert abs(r["kl"] - (r["eval_loss"] - r["entropy"])) < 1e-12
         assert r["entropy"] == rows[0]["entropy"]
     # the exact entropy of the eval set agrees with data.mlm_entropy's estimate
-    lang = train.make_language(_train_tiny_lang(tmp_path), 0)
+    lang = data.build_language(_train_tiny_lang(tmp_path), 0)
     h, se = data.mlm_entropy(lang, n=4000, seed=1)
     assert abs(rows[0]["entropy"] - h) < 5 * (se + 0.1 / math.sqrt(100))
     # against the untrained network (same init seed), the KL has fallen at least 5-fold
@@ -1678,7 +1711,7 @@ def _train_ddp_worker(rank, world, tmp_path, out, attempt=0):
         "gloo", init_method=f"file://{tmp_path}/rendezvous{attempt}", rank=rank, world_size=world)
     args = train.parse_args(_train_args(tmp_path, "--batch", 16))
     train.check_args(args)
-    lang = train.make_language(args.lang, args.lang_seed)
+    lang = data.build_language(args.lang, args.lang_seed)
     r, w = train.setup_distributed(args)
     net = train.build_model(args, lang)
     ddp = torch.nn.parallel.DistributedDataParallel(train.Objective(net))
@@ -1707,7 +1740,7 @@ def test_train_ddp_gloo_matches_single_process(tmp_path):
     # one process, the same global batch: both ranks' halves, concatenated
     args = train.parse_args(_train_args(tmp_path, "--batch", 16))
     train.check_args(args)
-    lang = train.make_language(args.lang, args.lang_seed)
+    lang = data.build_language(args.lang, args.lang_seed)
     net = train.build_model(args, lang)
     halves = [train.make_batch(lang, args, 0, r, 8) for r in range(2)]
     inputs, targets = (torch.cat(x) for x in zip(*halves))
@@ -1791,7 +1824,7 @@ def test_train_adversarial_run_logs_finite_losses(tmp_path):
 
 
 def test_train_lookup_table_is_exact(tmp_path, monkeypatch):
-    lang = train.make_language(_train_tiny_lang(tmp_path), 0)
+    lang = data.build_language(_train_tiny_lang(tmp_path), 0)
     tokens, lengths = lang.sentences(50, seed=3)
     truth = lang.mlm_conditional(tokens, lengths)
     table = train.LookupTable(lang)
@@ -1853,7 +1886,7 @@ def test_train_checkpoint_is_self_contained(tmp_path):
     net, ckpt2, lang = train.load_checkpoint(path)
     assert not net.training
     x = lang.sentences(4, seed=0)
-    truth = train.make_language(_train_tiny_lang(tmp_path), 0).mlm_conditional(*x)
+    truth = data.build_language(_train_tiny_lang(tmp_path), 0).mlm_conditional(*x)
     torch.testing.assert_close(lang.mlm_conditional(*x), truth, rtol=0, atol=1e-12)
     ref = model.build(model.ModelConfig(**ckpt["model_config"]))
     ref.load_state_dict(ckpt["model"])
@@ -1905,7 +1938,7 @@ def test_train_bad_flags_are_refused(tmp_path, capsys, extra, message):
         if extra[0] == flag:
             args[args.index(flag) + 1] = extra[1]
     with pytest.raises(SystemExit) as e:
-        train.train(train.parse_args(args))
+        train.main(args)
     said = f"{e.value.code}\n{capsys.readouterr().err}"
     assert message.format(tmp=tmp_path) in said, said
     made = sorted(set(os.listdir(tmp_path)) - {"file", "tiny_hmm.json"})   # the test's own
@@ -1960,7 +1993,7 @@ def test_train_bad_language_spec_file_is_named(tmp_path, content, message):
             f.write(content)
     argv = ["--lang", path, "--runs", str(tmp_path / "runs"), "--name", "x"]
     with pytest.raises(SystemExit, match=re.escape(message)) as e:
-        train.train(train.parse_args(argv))
+        train.main(argv)
     assert path in str(e.value) and "\n" not in str(e.value)
     assert not os.path.exists(tmp_path / "runs")
 
@@ -2077,9 +2110,9 @@ def test_data_cli_runs_on_one_thread(tmp_path):
     assert torch.get_num_threads() == 1
 
 
-def test_data_rule_file_with_an_unreachable_symbol_is_named():
+def test_rules_to_spec_names_an_unreachable_symbol():
     with pytest.warns(UserWarning, match="x.txt: no derivation from the start symbol reaches Z$"):
-        data.parse_rules("S A A 1.0\nA a 1.0\nZ z 1.0\n", "x.txt")
+        _rules_to_spec().parse_rules("S A A 1.0\nA a 1.0\nZ z 1.0\n", "x.txt")
 
 
 def test_messages_are_whole_lines():
@@ -2089,14 +2122,14 @@ def test_messages_are_whole_lines():
 
 def test_grammar_that_never_terminates_is_one_line_everywhere(tmp_path, capsys):
     """S -> S S (0.9999) | a: almost every tree is longer than max_len."""
-    rules = tmp_path / "r.txt"
-    rules.write_text("S S S 0.9999\nS a 0.0001\n")
-    with pytest.raises(SystemExit):
-        data.main(["pcfg", "--rules", str(rules), "--n", "5", "--out", str(tmp_path / "a.pt")])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert "error: pcfg: fewer than 0.1% of sampled sentences" in err[-1]
+    b, lx = torch.zeros(1, 1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64)
+    b[0, 0, 0], lx[0, 0] = 0.9999, 0.0001
     spec = tmp_path / "never.json"
-    spec.write_text(json.dumps(data.PCFG(**data.parse_rules(rules.read_text())).spec()))
+    spec.write_text(json.dumps(data.PCFG([1.0], b, lx).spec()))
+    with pytest.raises(SystemExit):
+        data.main([str(spec), "--n", "5", "--out", str(tmp_path / "a.pt")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"error: {spec}: fewer than 0.1% of sampled sentences" in err[-1]
     with pytest.raises(SystemExit, match="train.py: error: fewer than 0.1%") as e:
         train.main(["--lang", str(spec), "--runs", str(tmp_path / "runs"), "--eval-n", "5"])
     assert "\n" not in str(e.value.code)
@@ -2605,7 +2638,7 @@ def test_train_sgd_update_is_theta_minus_lr_grad(tmp_path):
     args = train.parse_args(_train_args(tmp_path, "--algo", "sgd", "--steps", 1, "--lr", 0.5,
                                         "--eval-every", 1, name="sgd"))
     run = train.train(args)
-    lang = train.make_language(args.lang, args.lang_seed)
+    lang = data.build_language(args.lang, args.lang_seed)
     net = train.build_model(args, lang)                 # same init stream: the step-0 weights
     inputs, targets = train.make_batch(lang, args, 0, 0, args.batch)
     train.mlm_loss(net(inputs), targets, lang.vocab_size).backward()
@@ -2617,7 +2650,7 @@ def test_train_sgd_update_is_theta_minus_lr_grad(tmp_path):
 def test_train_objective_of_one_masked_word_is_mlm_loss_of_every_position(tmp_path):
     """The training step reads the logits at the masked position only (model.py's `at`): the
     same L_MLM as mlm_loss of the logits everywhere, for the LSTM and the transformer."""
-    lang = train.make_language(_train_tiny_lang(tmp_path), 0)
+    lang = data.build_language(_train_tiny_lang(tmp_path), 0)
     for preset in ("lstm-small", "tf-small"):
         args = train.parse_args(_train_args(tmp_path, "--preset", preset))
         train.check_args(args)
@@ -2742,7 +2775,7 @@ def test_train_code_runs_with_the_model_off_the_default_device(tmp_path, preset,
     request.addfinalizer(lambda: fx_config_patch.__exit__(None, None, None))
     args = train.parse_args(_train_args(tmp_path, "--preset", preset, "--precision", "fp32"))
     train.check_args(args)
-    lang = train.make_language(args.lang, args.lang_seed)
+    lang = data.build_language(args.lang, args.lang_seed)
     meta = torch.device("meta")
     net = train.build_model(args, lang).to(meta)
     ev = train.make_eval_set(lang, 10)
@@ -2763,7 +2796,7 @@ def test_train_adversarial_objective_is_mlm_minus_lambda_d2(tmp_path):
     args = train.parse_args(_train_args(tmp_path, "--algo", "adversarial", "--adv-lambda", 3.0,
                                         "--adv-n", 20, name="adv"))
     train.check_args(args)
-    lang = train.make_language(args.lang, args.lang_seed)
+    lang = data.build_language(args.lang, args.lang_seed)
     net = train.build_model(args, lang)
     inputs, targets = train.make_batch(lang, args, 0, 0, 32)
     tokens, _, labels = lang.task_data("6", 40, seed=0)
@@ -2817,7 +2850,7 @@ def test_train_model_size_overrides(tmp_path):
     with open(os.path.join(run, "config.json")) as f:
         assert json.load(f)["n_params"] == model.n_params(model.build(expect))
     tf_args = train.parse_args(["--preset", "tf-2m", "--n-heads", "2", "--n-layers", "1"])
-    tf = train.build_model(tf_args, train.make_language(_train_tiny_lang(tmp_path), 0))
+    tf = train.build_model(tf_args, data.build_language(_train_tiny_lang(tmp_path), 0))
     assert (tf.config.n_heads, tf.config.n_layers, tf.config.d) == (2, 1, 128)
     # on --resume an override that differs from the stored one is refused
     with pytest.raises(SystemExit, match=r"--lstm-hidden 16 \(the run's: 8\)"):

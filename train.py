@@ -577,21 +577,6 @@ def check_args(args):
         raise SystemExit("train.py: " + "; ".join(bad))
 
 
-def make_language(name, seed):
-    """The language named `name` (data.LANGUAGES) or stored as a spec JSON file at `name`."""
-    if name in data.LANGUAGES:
-        return data.LANGUAGES[name](seed)
-    if not name.endswith(".json"):
-        raise SystemExit(f"train.py: unknown language {name!r}; choose one of "
-                         f"{', '.join(data.LANGUAGES)} or give a .json file holding a spec()")
-    try:
-        with open(name) as f:
-            return data.language_from_spec(json.load(f))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"train.py: --lang {name}: not a readable language spec "
-                         f"({type(e).__name__}: {data.first_line(e)})") from None
-
-
 def build_model(args, lang):
     """The preset's network for this language, with the sizes --n-layers, --n-heads,
     --lstm-hidden give (the size sweeps of §2.2, Figs. 2, 5), the same on every rank."""
@@ -684,7 +669,7 @@ def start_run(args):
     """The Run (language, network, optimizer, start state) and its folder; None when there is
     nothing to train (a lookup table is written instead, or the run is complete)."""
     if args.grow_from is None:
-        lang = make_language(args.lang, args.lang_seed)
+        lang = data.build_language(args.lang, args.lang_seed)
     elif args.resume is None and args.branch_from is None:
         grown, lang, source = grow_model(args)
     else:                # a grown run resumed or branched: its own checkpoint, not its source

@@ -86,7 +86,7 @@ def main():
                    "default: tf-2m with spread random weights")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    lang = train.make_language("hmm-small", 0)
+    lang = data.build_language("hmm-small", 0)
     print(f"hmm-small: V={lang.vocab_size}, T={lang.max_len}; threads={args.threads}; "
           f"torch {torch.__version__}; shared machine")
     inputs, targets, positions = hessian.masked_sentences(lang, max(args.pairs, args.sentences))

@@ -48,7 +48,7 @@ def make_step(argv, precision, compiled, every_position=False):
     every_position: the step as it was before model.py's `at` (logits at every position)."""
     args = train.parse_args(argv + ["--precision", precision])
     train.check_args(args)
-    lang = train.make_language(args.lang, args.lang_seed)
+    lang = data.build_language(args.lang, args.lang_seed)
     net = train.build_model(args, lang)
     opt = train.make_optimizer(net, args)
     objective = torch.compile(train.Objective(net)) if compiled else train.Objective(net)

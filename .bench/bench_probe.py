@@ -34,7 +34,7 @@ print = functools.partial(print, flush=True)  # progress shows even when piped
 
 def make_checkpoint(folder, preset, **overrides):
     """An untrained checkpoint of `preset` on train.py's default language (hmm-small)."""
-    lang = train.make_language("hmm-small", 0)
+    lang = data.build_language("hmm-small", 0)
     V = lang.vocab_size
     cfg = model.config_from_preset(preset, vocab_size=V + data.N_SPECIAL, pad_id=data.pad_id(V),
                                    max_len=lang.max_len, **overrides)

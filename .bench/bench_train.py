@@ -112,7 +112,7 @@ def main():
     p.add_argument("--steps", type=int, default=10, help="training steps timed per round")
     p.add_argument("--batch", type=int, default=256, help="batch in sentences")
     args = p.parse_args()
-    lang = train.make_language("hmm-small", 0)
+    lang = data.build_language("hmm-small", 0)
     T = lang.max_len
     print(f"language hmm-small (V={lang.vocab_size}, T={T}), batch {args.batch}; "
           f"machine shared with other jobs: medians of {args.rounds} interleaved rounds")
