@@ -50,7 +50,7 @@ def mask_one(tokens, lengths, V, generator=None):
     tokens [n, T] long, lengths [n]; returns (inputs [n, T]: tokens with mask_id(V) at the
     masked position, targets [n]: the masked words, positions [n]: where, 0 <= pos < length),
     all long; `tokens` is left unchanged. One float64 uniform u per sentence from
-    `generator` (torch.rand; nothing from the global RNG); position = floor(u * length)."""
+    `generator` (torch.rand; the global RNG if None); position = floor(u * length)."""
     # BEGIN EXERCISE mask
     n = tokens.shape[0]
     u = torch.rand(n, generator=generator, dtype=torch.float64)
@@ -82,15 +82,16 @@ def mask_rate(tokens, lengths, V, rate=0.15, generator=None):
 
 def hmm_forward_backward(init, trans, emit, tokens, observed):
     """Pr(h_t = h | x_-t) [n, T, S] float64: the hidden state at each position t given all the
-    other words, by one forward-backward pass (App. A.1). The masked-token conditional follows:
-    Pr(x_t = w | x_-t) = Σ_h Pr(h_t = h | x_-t) emit[h, w] (HMM.mlm_conditional).
+    other words, by one forward-backward pass (App. A.1, which names the Viterbi algorithm: a
+    max over paths, where the conditional needs the sum over them that forward-backward takes).
+    The masked-token conditional: Pr(x_t = w | x_-t) = Σ_h Pr(h_t = h | x_-t) emit[h, w].
 
     init [S], trans [S, S] (rows: from-state), emit [S, V]; tokens [n, T] word ids; observed
     [n, T] bool, False where a word is unobserved (masked, or past the sentence's end): its
     emission factor is e_t(h) = 1 (the word is summed out), else e_t(h) = emit[h, x_t]. With
     each message normalised to sum 1 over h (the scale cancels):
-        alpha_1 = init,  alpha_{t+1}(h') ∝ Σ_h alpha_t(h) e_t(h) trans[h, h']    ∝ Pr(h_t, x_<t)
-        beta_T = 1,      beta_t(h) ∝ Σ_h' trans[h, h'] e_{t+1}(h') beta_{t+1}(h')  ∝ Pr(x_>t | h_t)
+        alpha_1 = init,  alpha_{t+1}(h') ∝ Σ_h alpha_t(h) e_t(h) trans[h, h']  ∝ Pr(h_t, x_<t)
+        beta_T = 1,  beta_t(h) ∝ Σ_h' trans[h, h'] e_{t+1}(h') beta_{t+1}(h')  ∝ Pr(x_>t | h_t)
         Pr(h_t = h | x_-t) ∝ alpha_t(h) beta_t(h)                  (x_t's own factor left out)
     Where the other words are impossible, Pr(x_-t) = 0, the row is NaN (0/0), not zero (at
     every t, for a sentence that no change of one word makes possible).
@@ -245,23 +246,23 @@ def pcfg_leaves(lexical, tokens):
 
 
 def inside(binary, leaf):
-    """Inside pass over sentences of one length L (App. A.1), in probability space.
+    """Inside pass over sentences of one length T (App. A.1), in probability space.
 
-    binary [S, S, S]: binary[A, B, C] = Pr(A -> B C); leaf [n, L, S] (pcfg_leaves). Returns
-    chart [n, L+1, L+1, S], chart[:, i, j, A] = Pr(A generates x_i .. x_{j-1}) for the span
-    [i, j), 0 <= i < j <= L (zero elsewhere), filled by increasing width j - i:
+    binary [S, S, S]: binary[A, B, C] = Pr(A -> B C); leaf [n, T, S] (pcfg_leaves). Returns
+    chart [n, T+1, T+1, S], chart[:, i, j, A] = Pr(A generates x_i .. x_{j-1}) for the span
+    [i, j), 0 <= i < j <= T (zero elsewhere), filled by increasing width j - i:
         chart[i, i+1, A] = leaf[i, A]
         chart[i, j, A] = Σ_{k=i+1}^{j-1} Σ_{B,C} binary[A, B, C] chart[i, k, B] chart[k, j, C]
-    Pr(x) = Σ_A root[A] chart[0, L, A]. The chart has leaf's dtype and device (float64 from
+    Pr(x) = Σ_A root[A] chart[0, T, A]. The chart has leaf's dtype and device (float64 from
     pcfg_leaves); binary and leaf are not modified.
     """
     # BEGIN EXERCISE inside
-    n, L, S = leaf.shape
-    chart = leaf.new_zeros(n, L + 1, L + 1, S)
-    for i in range(L):
+    n, T, S = leaf.shape
+    chart = leaf.new_zeros(n, T + 1, T + 1, S)
+    for i in range(T):
         chart[:, i, i + 1] = leaf[:, i]
-    for width in range(2, L + 1):
-        for i in range(L - width + 1):
+    for width in range(2, T + 1):
+        for i in range(T - width + 1):
             j = i + width
             for k in range(i + 1, j):
                 chart[:, i, j] += torch.einsum("abc,nb,nc->na", binary, chart[:, i, k],
@@ -271,9 +272,9 @@ def inside(binary, leaf):
 
 
 def outside(root, binary, chart):
-    """Outside pass (App. A.1): outer [n, L+1, L+1, S], outer[:, i, j, A] = Pr(the root derives
+    """Outside pass (App. A.1): outer [n, T+1, T+1, S], outer[:, i, j, A] = Pr(the root derives
     x_<i A x_>=j), everything outside the span [i, j) with A over it; `chart` is inside()'s.
-        outer[0, L, A] = root[A]
+        outer[0, T, A] = root[A]
         for each parent span [i, j), widest first, and each split i < k < j:
             outer[i, k, B] += Σ_{A,C} outer[i, j, A] binary[A, B, C] chart[k, j, C]   (left child)
             outer[k, j, C] += Σ_{A,B} outer[i, j, A] binary[A, B, C] chart[i, k, B]   (right child)
@@ -281,11 +282,11 @@ def outside(root, binary, chart):
     shape, dtype and device; the inputs are not modified.
     """
     # BEGIN EXERCISE outside
-    n, L = chart.shape[0], chart.shape[1] - 1
+    n, T = chart.shape[0], chart.shape[1] - 1
     outer = torch.zeros_like(chart)
-    outer[:, 0, L] = root
-    for width in range(L, 1, -1):
-        for i in range(L - width + 1):
+    outer[:, 0, T] = root
+    for width in range(T, 1, -1):
+        for i in range(T - width + 1):
             j = i + width
             for k in range(i + 1, j):
                 outer[:, i, k] += torch.einsum("na,abc,nc->nb", outer[:, i, j], binary,
@@ -297,8 +298,8 @@ def outside(root, binary, chart):
 
 
 def pcfg_conditional(root, binary, lexical, tokens):
-    """Exact Pr(x_t = w | x_-t) [n, L, V] for sentences of one length L (App. A.1); tokens
-    [n, L] word ids, mask_id(V) where a word is masked (summed out). The outside score of the
+    """Exact Pr(x_t = w | x_-t) [n, T, V] for sentences of one length T (App. A.1); tokens
+    [n, T] word ids, mask_id(V) where a word is masked (summed out). The outside score of the
     one-word span [t, t+1) does not involve x_t, so, from inside() and outside() on pcfg_leaves:
         Pr(x_t = w | x_-t) ∝ Σ_A outer[t, t+1, A] lexical[A, w]      (normalised over w)
     in the rules' dtype (float64). Where the other words are impossible, Pr(x_-t) = 0, the row
@@ -307,7 +308,7 @@ def pcfg_conditional(root, binary, lexical, tokens):
     # BEGIN EXERCISE pcfg_conditional requires inside outside
     t = torch.arange(tokens.shape[1])
     outer = outside(root, binary, inside(binary, pcfg_leaves(lexical, tokens)))
-    p = outer[:, t, t + 1] @ lexical  # [n, L, V]
+    p = outer[:, t, t + 1] @ lexical  # [n, T, V]
     return p / p.sum(-1, keepdim=True)
     # END EXERCISE pcfg_conditional
 
@@ -321,7 +322,7 @@ class PCFG:
     Probabilities come from inside(), outside() and pcfg_conditional(), one sentence length at
     a time."""
 
-    TASK_SPAN = {"A": 32, "B": 16, "C": 8}  # App. A.1: tasks A, B, C use span length L
+    TASK_SPAN = {"A": 32, "B": 16, "C": 8}  # App. A.1: the span lengths of tasks A, B, C
 
     def __init__(self, root, binary, lexical, max_len=32, symbols=None, words=None, origin=None,
                  tol=1e-6, span_tasks=None):
@@ -367,27 +368,28 @@ class PCFG:
         level (no pair has two parents); each last-level symbol emits `words_per_symbol` of
         `vocab_size` (default n_per_level) words uniformly, symbol i word i when both are
         defaults. Every tree is full binary: sentences have 2^n_levels words (numpy, `seed`)."""
-        v, m, L, k = int(n_per_level), int(rules_per_symbol), int(n_levels), int(words_per_symbol)
+        v, m, k = int(n_per_level), int(rules_per_symbol), int(words_per_symbol)
+        depth = int(n_levels)
         V = v if vocab_size is None else int(vocab_size)
-        if not (v >= 1 and 1 <= m <= v and 1 <= L <= 5 and 1 <= k <= V):
+        if not (v >= 1 and 1 <= m <= v and 1 <= depth <= 5 and 1 <= k <= V):
             raise ValueError(f"PCFG.hierarchy: need n_per_level >= 1, 1 <= rules_per_symbol <= "
                              f"n_per_level (distinct pairs), 1 <= n_levels <= 5, 1 <= "
-                             f"words_per_symbol <= vocab_size; got {v}, {m}, {L}, {k}, {V}")
-        origin = {"hierarchy": dict(n_per_level=v, rules_per_symbol=m, n_levels=L,
+                             f"words_per_symbol <= vocab_size; got {v}, {m}, {depth}, {k}, {V}")
+        origin = {"hierarchy": dict(n_per_level=v, rules_per_symbol=m, n_levels=depth,
                                     words_per_symbol=k, vocab_size=V, seed=int(seed))}
         rng = np.random.default_rng(seed)
-        S = v * (L + 1)  # symbol l * v + i is symbol i of level l
+        S = v * (depth + 1)  # symbol l * v + i is symbol i of level l
         root, binary, lexical = np.zeros(S), np.zeros((S, S, S)), np.zeros((S, V))
         root[:v] = 1 / v
-        for level in range(L):
+        for level in range(depth):
             pairs = rng.choice(v * v, size=v * m, replace=False).reshape(v, m)
             below = (level + 1) * v
             for i in range(v):
                 binary[level * v + i, below + pairs[i] // v, below + pairs[i] % v] = 1 / m
         for i in range(v):
             words = [i] if k == 1 and V == v else rng.choice(V, size=k, replace=False)
-            lexical[L * v + i, words] = 1 / k
-        return cls(root, binary, lexical, max_len=2 ** L, origin=origin)
+            lexical[depth * v + i, words] = 1 / k
+        return cls(root, binary, lexical, max_len=2 ** depth, origin=origin)
 
     def sample(self, n, seed=0, max_len=None):
         """n sentences of at most max_len words: (tokens [n, max_len], pad_id beyond the
@@ -416,11 +418,11 @@ class PCFG:
         at t >= length; mask_id words are summed out."""
         tokens, lengths = self._checked(tokens, lengths)
         out = torch.zeros(*tokens.shape, self.vocab_size, dtype=torch.float64)
-        for rows, L in self._by_length(lengths):
-            p = pcfg_conditional(self.root, self.binary, self.lexical, tokens[rows, :L])
+        for rows, length in self._by_length(lengths):
+            p = pcfg_conditional(self.root, self.binary, self.lexical, tokens[rows, :length])
             _refuse(p.isnan().any(2).any(1), rows, "",
                     " under the grammar even with one word masked: no conditional exists")
-            out[rows, :L] = p
+            out[rows, :length] = p
         return out
 
     def span_posteriors(self, tokens, lengths):
@@ -430,12 +432,12 @@ class PCFG:
         tokens, lengths = self._checked(tokens, lengths)
         T = tokens.shape[1]
         out = torch.zeros(len(lengths), T + 1, T + 1, self.n_symbols, dtype=torch.float64)
-        for rows, L in self._by_length(lengths):
-            chart = inside(self.binary, pcfg_leaves(self.lexical, tokens[rows, :L]))
-            z = chart[:, 0, L] @ self.root
+        for rows, length in self._by_length(lengths):
+            chart = inside(self.binary, pcfg_leaves(self.lexical, tokens[rows, :length]))
+            z = chart[:, 0, length] @ self.root
             _refuse(z <= 0, rows, "", " under the grammar: no span posterior exists")
-            out[rows, :L + 1, :L + 1] = chart * outside(self.root, self.binary, chart) \
-                / z[:, None, None, None]
+            outer = outside(self.root, self.binary, chart)
+            out[rows, :length + 1, :length + 1] = chart * outer / z[:, None, None, None]
         return out
 
     def _checked(self, tokens, lengths):
@@ -443,8 +445,8 @@ class PCFG:
 
     @staticmethod
     def _by_length(lengths):
-        """(rows, L) for each sentence length L: the plain forms take one length at a time."""
-        return [((lengths == L).nonzero()[:, 0], L) for L in lengths.unique().tolist()]
+        """(rows, n_x) for each sentence length n_x: the plain forms take one length at a time."""
+        return [((lengths == n_x).nonzero()[:, 0], n_x) for n_x in lengths.unique().tolist()]
 
     @property
     def tasks(self):
@@ -460,9 +462,9 @@ class PCFG:
         """Pr(s spans exactly the task's words | x) [n, S] = chart x outer / Pr(x) (outside()):
         words [0, min(32 / 16 / 8, length)) for A / B / C, [start, start + width) for a span
         task (zero if the sentence is shorter); rows sum to Pr(the span is a constituent | x)."""
-        L = self._span_length(task)
+        span = self._span_length(task)
         tokens, lengths = self._checked(tokens, lengths)
-        start, width = (0, lengths.clamp(max=L)) if L is not None else self.span_tasks[task]
+        start, width = self.span_tasks[task] if span is None else (0, lengths.clamp(max=span))
         end = start + torch.as_tensor(width).expand(len(lengths))
         spans = self.span_posteriors(tokens, lengths)[torch.arange(len(lengths)), start]
         return torch.where((end <= lengths)[:, None], spans[torch.arange(len(lengths)),
@@ -589,18 +591,18 @@ def _rewrite(symbol, is_word, length, rows, cols, outcome, S):
 def _layered_grammar(n_symbols, vocab_size, seed, n_levels, rules_per_symbol, p_lexical,
                      words_per_symbol, upper_words, max_len):
     """root [S], binary [S,S,S], lexical [S,V] (numpy) of PCFG.random's layered grammar."""
-    S, V, L = n_symbols, vocab_size, n_levels
-    if not (2 <= L <= S and 2 ** (L - 1) <= max_len and 0 <= p_lexical < 1):
+    S, V, depth = n_symbols, vocab_size, n_levels
+    if not (2 <= depth <= S and 2 ** (depth - 1) <= max_len and 0 <= p_lexical < 1):
         raise ValueError(f"PCFG.random: need 2 <= n_levels <= n_symbols, 2^(n_levels-1) <= "
-                         f"max_len, 0 <= p_lexical < 1; got {L}, {S}, {max_len}, {p_lexical}")
+                         f"max_len, 0 <= p_lexical < 1; got {depth}, {S}, {max_len}, {p_lexical}")
     rng = np.random.default_rng(seed)
-    sizes = [S // L + (i < S % L) for i in range(L)]
+    sizes = [S // depth + (i < S % depth) for i in range(depth)]
     start = np.cumsum([0] + sizes)
-    level = [np.arange(start[i], start[i + 1]) for i in range(L)]
+    level = [np.arange(start[i], start[i + 1]) for i in range(depth)]
     root = np.zeros(S)
     root[level[0]] = rng.dirichlet(np.ones(sizes[0]))
     binary, lexical = np.zeros((S, S, S)), np.zeros((S, V))
-    for i in range(L - 1):
+    for i in range(depth - 1):
         nxt = level[i + 1]
         n_pairs = len(nxt) ** 2
         k = min(rules_per_symbol, n_pairs)

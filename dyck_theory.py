@@ -9,6 +9,12 @@ zero-loss model and Thm 5.1's downstream failure probability, each claim printed
     python dyck_theory.py --T 8 --m 64 --n 20   # m < 576: random features cannot interpolate
     python dyck_theory.py --json                # one JSON object instead (keys: see --help)
 
+Notation (Sec. 5's, not the other scripts'): V is the value matrix [m, d] (not a vocabulary);
+mlm_loss is the squared-error regression loss of Sec. 5 (not the cross-entropy of train.py);
+features is Phi(x) = relu(V h(x)) / m (not a network's last layer); hessian_trace is the exact
+Tr of the Hessian per block (not App. B.2's estimator); y = g*(x) has the paper's sign flipped
+(all is symmetric under y -> -y).
+
 Reading order (every function above the banner): encode, pretraining_support,
 downstream_population (the data, Sec. 5); attention_weights, attention_output, model_output,
 features, mlm_loss (the model); hessian_trace, grad_norm_trace (Lemma F.4); lower_bound, balance

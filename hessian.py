@@ -2,12 +2,13 @@
 
 Reading order:
   trace_hessian        App. B.2's unbiased estimate of Tr[∇²L], used for every checkpoint (§4)
+  sq_grad_norms        the per-sample squared gradient norms it averages (torch.func.vmap)
   fisher_gap           what that estimate leaves out away from saturation (Hutchinson probes)
-  lanczos_extremes     the extreme Hessian eigenvalues, and sam_sharpness, reported beside it
   gradient_covariance  Lemma 3.2 (noise covariance = Hessian at a minimiser) on a toy softmax
   sgd_demo             Theorem 3.3: SGD drifts along the minimisers towards a smaller trace
-After the banner, the plumbing: per-sample gradient norms, the plain-ops LSTM that torch.func
-and double backward need, and the command line. Every measure runs in eval mode (dropout off).
+After the banner, the plumbing: the masked position's log-probabilities, the plain-ops LSTM
+that torch.func and double backward need, and the command line. Every measure runs in eval mode
+(dropout off).
 
     python hessian.py runs/e1-s0/ckpt_*.pt                   # CPU: 300 sentences × 10 ỹ × 5
     python hessian.py runs/NAME/ckpt_*.pt --paper --device cuda   # App. B.2: 10,000 × 50 × 5
@@ -15,8 +16,9 @@ and double backward need, and the command line. Every measure runs in eval mode 
     python hessian.py --sgd-demo                              # Theorem 3.3 on the toy problem
 
 Each checkpoint prints and appends to runs/NAME/hessian.jsonl one JSON row (trace, trace_std,
-eigenvalues, SAM sharpness, loss, settings); one there with the same settings is skipped, so an
-interrupted command is continued by running it again.
+loss, settings); one there with the same settings is skipped, so an interrupted command is
+continued by running it again. (.bench/flatness_measures.py adds the extreme eigenvalues and SAM
+sharpness.)
 """
 import argparse
 import contextlib
@@ -36,19 +38,12 @@ import model as model_lib   # trace_hessian's argument is called `model`
 import train
 
 # sentences per estimate, ỹ drawn per sentence, repetitions (the paper reports mean ± std),
-# sentences for the HVP measures, Lanczos steps
-CPU_SETTINGS = dict(sentences=300, samples=10, repeats=5, hvp_sentences=100, eig_iters=10)
-PAPER_SETTINGS = dict(sentences=10_000, samples=50, repeats=5,     # App. B.2
-                      hvp_sentences=1000, eig_iters=20)
+# sentences for the Hessian-vector products of --fisher-gap
+CPU_SETTINGS = dict(sentences=300, samples=10, repeats=5, hvp_sentences=100)
+PAPER_SETTINGS = dict(sentences=10_000, samples=50, repeats=5, hvp_sentences=1000)  # App. B.2
 SENTENCE_SEED = 0            # the same masked sentences for every checkpoint of a run
 DRAW_SEED = 0                # the ỹ draws and the HVP probe vectors
-SAM_RHO = 0.05               # radius of the SAM sharpness
 GRAD_FLOATS_PER_CHUNK = 2**25  # ~128 MiB of float32 per-sample gradients per vmap chunk
-# The switch between the per-sample gradient norms of torch.func (False: vmap of grad, any model)
-# and _layerwise_sq_norms (True: one batched backward, taken for models of nn.Embedding, nn.Linear
-# and nn.LSTM alone, model.py's LSTMs, which it measures several times faster: .bench/README.md);
-# the tests hold the two equal.
-LAYERWISE_SQ_NORMS = True
 
 
 # =============================================================== §4, App. B.2: the trace estimator
@@ -87,7 +82,37 @@ def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0):
     # END EXERCISE trace_hessian
 
 
-# ================================================= ∇²L itself: the gap, the eigenvalues, SAM
+def sq_grad_norms(net, inputs, positions, labels, chunk_size=None):
+    """‖∇_θ log p_θ(y_k | x_-t_k)‖² for each pair k, float64 [K] (App. B.2), eval mode: vmap over
+    the pairs of grad of one pair's log-probability (torch.func), `chunk_size` pairs at a time
+    (default: ~128 MiB of per-sample gradients, at most 512). inputs [K, T], positions [K],
+    labels [K]. A pair that occurs several times (a likely ỹ drawn again for one sentence) is
+    computed once: the same numbers, fewer passes."""
+    key = torch.cat([inputs, positions[:, None], labels[:, None]], 1).cpu()
+    key, copy_of = torch.unique(key, dim=0, return_inverse=True)
+    key = key.to(inputs.device)
+    inputs, positions, labels = key[:, :-2], key[:, -2], key[:, -1]
+    fnet, V = vmappable(net), n_words(net)
+    params, rest = _params_and_buffers(net)
+
+    def log_prob(p, tokens, pos, y):                               # one pair, unbatched
+        logp = log_probs_at(lambda x: functional_call(fnet, (p, rest), (x,)),
+                            tokens.unsqueeze(0), pos.view(1), V)[0]             # (V,)
+        return logp.gather(0, y.view(1))[0]
+
+    def sq_norm(p, tokens, pos, y):
+        return sum(g.float().pow(2).sum() for g in grad(log_prob)(p, tokens, pos, y).values())
+
+    batched = vmap(sq_norm, in_dims=(None, 0, 0, 0))
+    chunk = chunk_size or max(1, min(512, GRAD_FLOATS_PER_CHUNK // sum(
+        p.numel() for p in params.values())))
+    with measuring(net, fnet):
+        out = [batched(params, inputs[s:s + chunk], positions[s:s + chunk],
+                       labels[s:s + chunk]).double() for s in range(0, len(labels), chunk)]
+    return (torch.cat(out) if out else torch.zeros(0, dtype=torch.float64))[copy_of.to(key.device)]
+
+
+# ============================================= ∇²L itself: what the estimate leaves out
 def hessian_vector_products(model, inputs, positions, targets, vectors, batch_size=256):
     """[∇²L v for v in vectors] by double backprop (Pearlmutter), L = pretraining_loss, summed
     over chunks of `batch_size` sentences each weighted by its share of the mean."""
@@ -134,59 +159,6 @@ def fisher_gap(model, inputs, positions, p_true, n_probes=30, seed=0):
     p_model = model_probs(model, inputs, positions).to(p_true.device)
     return hutchinson_trace(model, inputs, positions, (p_true - p_model).float(),
                             n_probes=n_probes, seed=seed)
-
-
-def lanczos_extremes(model, inputs, positions, targets, n_iter=10, seed=0, batch_size=256):
-    """(smallest, largest) eigenvalue of ∇²L by Lanczos on Hessian-vector products: `n_iter`
-    HVPs, the extreme Ritz values of the tridiagonal matrix. Away from a minimiser ∇²L is
-    indefinite, so both ends are reported (the largest is the algebraic one, not the largest in
-    magnitude). Three-term recurrence without reorthogonalisation (memory: 3 parameter
-    vectors): lost orthogonality only duplicates converged Ritz values, it does not move the
-    extreme ones. λ_min converges more slowly than λ_max."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    gen = torch.Generator().manual_seed(seed)
-
-    def dot(a, b):
-        return sum((x.double() * y.double()).sum() for x, y in zip(a, b)).item()
-    v = [torch.randn(p.shape, generator=gen).to(p) for p in params]
-    norm = math.sqrt(dot(v, v))
-    v, v_prev, beta = [x / norm for x in v], None, 0.0
-    alphas, betas = [], []
-    for _ in range(n_iter):
-        w = hessian_vector_products(model, inputs, positions, targets, [v], batch_size)[0]
-        alpha = dot(w, v)
-        w = [wi - alpha * vi - (beta * pi if v_prev is not None else 0) for wi, vi, pi in
-             zip(w, v, v_prev or v)]
-        alphas.append(alpha)
-        beta = math.sqrt(dot(w, w))
-        if beta < 1e-10 * max(1.0, abs(alpha)):                    # invariant subspace found
-            break
-        betas.append(beta)
-        v_prev, v = v, [wi / beta for wi in w]
-    k = len(alphas)
-    tri = torch.diag(torch.tensor(alphas, dtype=torch.float64))
-    off = torch.tensor(betas[:k - 1], dtype=torch.float64)
-    tri += torch.diag(off, 1) + torch.diag(off, -1)
-    ritz = torch.linalg.eigvalsh(tri)                              # ascending
-    return ritz[0].item(), ritz[-1].item()
-
-
-def sam_sharpness(model, inputs, positions, targets, rho=SAM_RHO):
-    """SAM sharpness max_{‖ε‖≤ρ} L(θ+ε) - L(θ), with SAM's first-order ε = ρ ∇L/‖∇L‖."""
-    params, rest = _params_and_buffers(model)
-
-    def loss_at(p):
-        logp = log_probs_at(lambda x: functional_call(model, (p, rest), (x,)), inputs, positions,
-                            n_words(model))
-        return _cross_entropy(logp, targets)
-    with measuring(model):
-        p = {k: v.clone().requires_grad_() for k, v in params.items()}
-        loss = loss_at(p)
-        g = torch.autograd.grad(loss, list(p.values()))
-        scale = rho / torch.sqrt(sum((x.double() ** 2).sum() for x in g)).item()
-        with torch.no_grad():
-            moved_loss = loss_at({k: v + scale * gi for (k, v), gi in zip(params.items(), g)})
-    return (moved_loss - loss).item()
 
 
 # ============================================================= §3: Lemma 3.2 and Theorem 3.3
@@ -348,8 +320,7 @@ class FunctionalLSTM(nn.Module):
     same parameter names as nn.LSTM, so functional_call with the original parameters works.
     Gate order i, f, g, o as in torch: c' = σ(f)c + σ(i)tanh(g), h' = σ(o)tanh(c'). With
     `self.keep` [B, T] set (by vmappable), states stay zero over padded steps (a suffix), as
-    model.py's packed sequences do. `self.record`, when a list, collects per layer and direction
-    what _layerwise_sq_norms needs."""
+    model.py's packed sequences do."""
 
     def __init__(self, lstm):
         super().__init__()
@@ -360,7 +331,7 @@ class FunctionalLSTM(nn.Module):
         self.bidirectional = lstm.bidirectional
         for name, p in lstm.named_parameters():
             self.register_parameter(name, p)
-        self.keep, self.record = None, None
+        self.keep = None
 
     def _direction(self, x, layer, suffix):
         """One layer, one direction over x [B, T, in] -> out [B, T, H]."""
@@ -371,20 +342,15 @@ class FunctionalLSTM(nn.Module):
         h = x.new_zeros(x.shape[0], self.hidden_size)
         c = x.new_zeros(x.shape[0], self.hidden_size)
         steps = range(x.shape[1] - 1, -1, -1) if suffix else range(x.shape[1])
-        outs, gates, h_prev = [None] * x.shape[1], [], []
+        outs = [None] * x.shape[1]
         for t in steps:
-            pre = xw[:, t] + h @ w_hh.T                            # (B, 4H) gate pre-activations
-            gates.append(pre)
-            h_prev.append(h)
-            i, f, g, o = pre.chunk(4, dim=-1)
+            i, f, g, o = (xw[:, t] + h @ w_hh.T).chunk(4, dim=-1)    # gate pre-activations
             c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
             h = torch.sigmoid(o) * torch.tanh(c)
             if self.keep is not None:                              # padded step: state stays 0
                 keep_t = self.keep[:, t, None].to(h.dtype)
                 h, c = h * keep_t, c * keep_t
             outs[t] = h
-        if self.record is not None:   # per step: W_ih reads x_t, W_hh reads h_{t-1}
-            self.record.append((gates, x[:, list(steps)], torch.stack(h_prev, 1)))
         return torch.stack(outs, dim=1)
 
     def forward(self, x):
@@ -418,123 +384,6 @@ def vmappable(net):
     return net
 
 
-def sq_grad_norms(net, inputs, positions, labels, chunk_size=None):
-    """‖∇_θ log p_θ(y_k | x_-t_k)‖² for each pair k, float64 [K] (App. B.2), eval mode.
-
-    inputs [K, T], positions [K], labels [K], `chunk_size` pairs at a time (default: ~128 MiB
-    of per-sample gradients, at most 512); by _layerwise_sq_norms where LAYERWISE_SQ_NORMS is
-    on and the model allows it, else by _vmap_sq_norms. A pair that occurs several times (a
-    likely ỹ drawn again for one sentence) is computed once: the same numbers, fewer passes."""
-    key = torch.cat([inputs, positions[:, None], labels[:, None]], 1).cpu()
-    key, copy_of = torch.unique(key, dim=0, return_inverse=True)
-    key = key.to(inputs.device)
-    inputs, positions, labels = key[:, :-2], key[:, -2], key[:, -1]
-    fnet = vmappable(net)
-    params, _ = _params_and_buffers(net)
-    layerwise = LAYERWISE_SQ_NORMS and _layerwise_ok(fnet)
-    one_chunk = (_layerwise_sq_norms if layerwise else _vmap_sq_norms)(fnet, net)
-    n_params = sum(p.numel() for p in params.values())
-    chunk = chunk_size or max(1, min(512, GRAD_FLOATS_PER_CHUNK // n_params))
-    with measuring(net, fnet):
-        out = [one_chunk(inputs[s:s + chunk], positions[s:s + chunk], labels[s:s + chunk]).double()
-               for s in range(0, len(labels), chunk)]
-    return (torch.cat(out) if out else torch.zeros(0, dtype=torch.float64))[copy_of.to(key.device)]
-
-
-def _vmap_sq_norms(fnet, net):
-    """Per-sample squared gradient norms by torch.func: vmap over pairs of grad of log p_θ(y|x)."""
-    V = n_words(net)
-    params, rest = _params_and_buffers(net)
-
-    def log_prob(p, tokens, pos, y):                               # one pair, unbatched
-        def forward(x):
-            return functional_call(fnet, (p, rest), (x,))
-        logp = log_probs_at(forward, tokens.unsqueeze(0), pos.view(1), V)[0]   # (V,)
-        return logp.gather(0, y.view(1))[0]
-
-    def sq_norm(p, tokens, pos, y):
-        g = grad(log_prob)(p, tokens, pos, y)
-        return sum(v.float().pow(2).sum() for v in g.values())
-
-    batched = vmap(sq_norm, in_dims=(None, 0, 0, 0))
-    return lambda inputs, positions, labels: batched(params, inputs, positions, labels)
-
-
-def _layerwise_ok(fnet):
-    """True if every trainable parameter belongs to exactly one nn.Embedding (no padding_idx),
-    nn.Linear or FunctionalLSTM, used once per forward (no weight tying)."""
-    layers = [m for m in fnet.modules() if isinstance(m, (nn.Embedding, nn.Linear, FunctionalLSTM))]
-    if not any(isinstance(m, FunctionalLSTM) for m in layers) or \
-            any(isinstance(m, nn.Embedding) and m.padding_idx is not None for m in layers):
-        return False
-    owned = [id(p) for m in layers for p in m.parameters(recurse=False)]
-    trainable = [id(p) for p in fnet.parameters() if p.requires_grad]   # deduplicated by torch
-    return len(owned) == len(set(owned)) and set(owned) == set(trainable)
-
-
-def _sq_norm_of_sum(g, a):
-    """‖Σ_t g_t a_tᵀ‖² per sample for g [B, T, o], a [B, T, i]: the cheaper of materialising
-    the per-sample matrix and the Gram identity Σ_{t,s} (g_t·g_s)(a_t·a_s)."""
-    B, T, o = g.shape
-    if T * T * (o + a.shape[-1]) < o * a.shape[-1]:
-        return ((g @ g.transpose(1, 2)) * (a @ a.transpose(1, 2))).sum((1, 2))
-    return torch.einsum("bto,bti->boi", g, a).pow(2).sum((1, 2))
-
-
-def _layerwise_sq_norms(fnet, net):
-    """Per-sample squared gradient norms from ONE batched backward: sentence b's log-prob
-    touches only sentence b's activations, so ∂/∂(layer output) of the summed log-probs is
-    per-sample, and each weight's per-sample gradient is Σ_t (output gradient)_t ⊗ (input)_t
-    (embedding: rows scattered by token)."""
-    V = n_words(net)
-    lstms = [m for m in fnet.modules() if isinstance(m, FunctionalLSTM)]
-    records = []
-
-    def hook(module, args, out):
-        records.append((module, args[0], out))
-
-    def one_chunk(inputs, positions, labels):
-        records.clear()
-        for m in lstms:
-            m.record = []
-        hooks = [m.register_forward_hook(hook) for m in fnet.modules()
-                 if isinstance(m, (nn.Linear, nn.Embedding))]
-        try:
-            logp = log_probs_at(fnet, inputs, positions, V).gather(1, labels.view(-1, 1)).sum()
-        finally:
-            for h in hooks:
-                h.remove()
-        if len({id(r[0]) for r in records}) < len(records) or any(
-                len(m.record) != m.num_layers * (1 + m.bidirectional) for m in lstms):
-            raise RuntimeError("a layer ran twice in one forward: its per-sample gradient is a sum "
-                               "over calls; use the vmap route (_vmap_sq_norms) for this model")
-        outs = [r[2] for r in records] + [g for m in lstms for gates, _, _ in m.record
-                                          for g in gates]
-        grads = iter(torch.autograd.grad(logp, outs))
-        total = torch.zeros(len(labels), dtype=torch.float32, device=inputs.device)
-        for module, x, _ in records:
-            g = next(grads)
-            B = g.shape[0]
-            g = g.reshape(B, -1, g.shape[-1])                     # (B, T, out)
-            if isinstance(module, nn.Embedding):                  # rows x_t get g_t
-                same = (x.reshape(B, -1, 1) == x.reshape(B, 1, -1)).to(g.dtype)
-                total += ((g @ g.transpose(1, 2)) * same).sum((1, 2))
-                continue
-            total += _sq_norm_of_sum(g, x.reshape(B, -1, x.shape[-1]))
-            if module.bias is not None:
-                total += g.sum(1).pow(2).sum(1)
-        for m in lstms:
-            for gates, x, h_prev in m.record:
-                g = torch.stack([next(grads) for _ in gates], 1)  # (B, T, 4H) gate gradients
-                # W_ih, W_hh; b_ih and b_hh both get Σ_t g_t
-                total += (_sq_norm_of_sum(g, x) + _sq_norm_of_sum(g, h_prev)
-                          + 2 * g.sum(1).pow(2).sum(1))
-            m.record = None
-        return total
-
-    return one_chunk
-
-
 # ----------------------------------------------------------------------------- command line
 @torch.no_grad()
 def masked_sentences(lang, n, seed=SENTENCE_SEED):
@@ -556,15 +405,11 @@ def measure_checkpoint(path, args):
     t0 = time.time()
     inputs, targets, positions = (x.to(args.device) for x in masked_sentences(lang, args.sentences))
     trace, trace_std = trace_hessian(net, inputs, positions, args.samples, args.repeats, DRAW_SEED)
-    sub = slice(0, args.hvp_sentences)                             # HVP measures: a subset
-    x, pos, y = inputs[sub], positions[sub], targets[sub]
-    print(f"  trace {trace:.4g} ± {trace_std:.2g} ({time.time() - t0:.0f}s); eigenvalues and SAM "
-          f"on {len(x)} sentences", file=sys.stderr, flush=True)
-    lowest, top = lanczos_extremes(net, x, pos, y, n_iter=args.eig_iters, seed=DRAW_SEED)
-    row = {"ckpt": str(path), "step": ckpt["step"], "trace": trace, "trace_std": trace_std,
-           "top_eigenvalue": top, "min_eigenvalue": lowest,
-           "sam_sharpness": sam_sharpness(net, x, pos, y, rho=SAM_RHO)}
-    if args.fisher_gap:
+    print(f"  trace {trace:.4g} ± {trace_std:.2g} ({time.time() - t0:.0f}s)", file=sys.stderr,
+          flush=True)
+    row = {"ckpt": str(path), "step": ckpt["step"], "trace": trace, "trace_std": trace_std}
+    if args.fisher_gap:                                            # HVPs: on the first sentences
+        x, pos = inputs[:args.hvp_sentences], positions[:args.hvp_sentences]
         p_true = lang.mlm_conditional(x.cpu(), (x != data.pad_id(lang.vocab_size)).sum(1).cpu())
         p_true = p_true[torch.arange(len(x)), pos.cpu()].to(x.device)
         gap, gap_se = fisher_gap(net, x, pos, p_true, args.fisher_gap, DRAW_SEED)
@@ -572,7 +417,7 @@ def measure_checkpoint(path, args):
     with torch.no_grad(), measuring(net):
         row["loss"] = pretraining_loss(net, inputs, positions, targets).item()
     row.update(measured_settings(args), seed=DRAW_SEED, sentence_seed=SENTENCE_SEED,
-               sam_rho=SAM_RHO, n_params=model_lib.n_params(net),
+               n_params=model_lib.n_params(net),
                wall_s=round(time.time() - t0, 2))
     return row
 
@@ -580,9 +425,10 @@ def measure_checkpoint(path, args):
 def measured_settings(args):
     """The settings a row records, by which a checkpoint measured already is skipped."""
     return {"n_sentences": args.sentences, "n_samples": args.samples,
-            "n_repeats": args.repeats, "hvp_sentences": args.hvp_sentences,
-            "eig_iters": args.eig_iters, "device": args.device,
-            **({"fisher_gap_probes": args.fisher_gap} if args.fisher_gap else {})}
+            "n_repeats": args.repeats, "device": args.device,
+            **({"fisher_gap_probes": args.fisher_gap,       # HVPs on at most --sentences
+                "hvp_sentences": min(args.hvp_sentences, args.sentences)}
+               if args.fisher_gap else {})}
 
 
 def parse_args(argv=None):
@@ -590,7 +436,7 @@ def parse_args(argv=None):
         usage="python hessian.py CKPT ... [options]", formatter_class=train.ShortHelp,
         epilog="A checkpoint already in its run's hessian.jsonl with the same settings is "
                "skipped: run an interrupted command again to measure the rest.",
-        description=__doc__.split("\n\n")[0] + " (python -m pydoc hessian: every option)")
+        description=__doc__.split("\n\n")[0])
     a = p.add_argument
     a("checkpoints", nargs="*", help="checkpoint files runs/NAME/ckpt_*.pt (train.py)")
 
@@ -601,8 +447,7 @@ def parse_args(argv=None):
     setting("--sentences", "masked sentences per checkpoint")
     setting("--samples", "labels ỹ drawn from the model per sentence")
     setting("--repeats", "independent repetitions for the std, >= 2")
-    setting("--hvp-sentences", "sentences (the first of the above) for eigenvalues, SAM, gap")
-    setting("--eig-iters", "Lanczos iterations (HVPs) for the extreme Hessian eigenvalues")
+    setting("--hvp-sentences", "sentences (the first of the above) for --fisher-gap")
     a("--paper", action="store_true", help="App. B.2's sizes (a GPU job); explicit flags win")
     a("--fisher-gap", type=train.NATURAL, default=0,
       help="also report Tr[∇²L] - Tr[G] against the true conditional with this many "

@@ -14,7 +14,7 @@ Interface (used by train.py, hessian.py, probe.py):
 
 Reading order: ModelConfig and PRESETS (the sizes), attention and the transformer's blocks, the
 LSTM, grow; then the plumbing (the fused attention of FUSED_ATTENTION, initialisation, padding
-mask, presets). .bench/check_grow.py measures grow() against the paper's zero-filled blocks.
+mask, config_from_preset and the preset listing). .bench/check_grow.py measures grow() against the paper's zero-filled blocks.
 """
 import argparse
 import math
@@ -258,27 +258,17 @@ def grow(model, width=2, extra_layers=0, seed=0, split="even"):
 
     Width: every feature, head, MLP unit and LSTM unit (per gate, per direction) is copied k
     times and every weight that reads copies is split among them: split="even", w/k to each
-    copy (the copies then get equal gradients and under any optimizer stay copies: the grown
-    model never leaves the small model's function class); split="random", w times fractions
-    drawn per weight entry, uniform in [0.5, 1.5] normalised to sum 1 over the k copies, from a
-    torch.Generator seeded with `seed` (the copies get unequal gradients and can part). Per
-    entry, not per unit: with one fraction per copied unit (an uneven Net2Net-style split;
-    Net2Net itself splits evenly and adds noise) the copies' gradients stay proportional, and
-    Adam's normalisation turns proportional gradients into equal updates. Either
-    way each residual stream / LSTM state is exactly [h, ..., h]: a LayerNorm sees the same
-    mean and variance, attention the same scores. The tied output layer would give k times the
-    logits, so the LayerNorm producing h_L (pre-LN: ln_f; post-LN: the last block's ln_2) has
-    its gain and bias divided by k, and features() become [h, ..., h] / k; the LSTM's head
-    divides by k instead.
-    Depth (transformers): a new block with zero attention and MLP output projections (its other
-    weights fresh from `seed`, so it can train) is the identity on a pre-LN stream. On a post-LN
-    stream it is not: the paper's zero-filled blocks change the function (.bench/check_grow.py
-    measures it), so the old top block is re-parametrised: call
-    _deepen_post_ln(state, config.n_layers, extra_layers) on the grown state dict, after the
-    width copies and the 1/k of the top LayerNorm. The new blocks' other weights come from
-    build() under torch.manual_seed(seed), inside torch.random.fork_rng (the global RNG is
-    left as it was). Returns a new model with the source's config save for the sizes, on its
-    device, in its dtype and in its train/eval mode.
+    copy; split="random", w times fractions drawn per weight entry, uniform in [0.5, 1.5]
+    normalised to sum 1 over the k copies (a torch.Generator seeded `seed`). Each residual
+    stream / LSTM state is then exactly [h, ..., h]. The tied output layer would give k times
+    the logits, so the LayerNorm producing h_L (pre-LN: ln_f; post-LN: the last block's ln_2)
+    has its gain and bias divided by k (features() become [h, ..., h] / k); the LSTM's head
+    divides by k instead. (Why per entry, and why "even" copies stay copies: the README.)
+    Depth (transformers): new blocks from build() under torch.manual_seed(seed) inside
+    torch.random.fork_rng, with zero attention and MLP output projections: the identity on a
+    pre-LN stream; on a post-LN stream call _deepen_post_ln(state, config.n_layers,
+    extra_layers) on the grown state dict after the width copies. Returns a new model with the
+    source's config save for the sizes, on its device, dtype and train/eval mode.
     LSTM depth has no exact construction (a layer has no residual path): ValueError."""
     config = model.config
     if not (isinstance(width, int) and width >= 1

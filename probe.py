@@ -4,8 +4,8 @@ the pre-training loss and the flatness (Figs. 3-5, Table 2).
 Reading order:
   downstream_data     a task of the checkpoint's own language (data.py), one held-out split
   concat_features     the representation: last-layer features of all tokens, concatenated
-  word_features       no model, a task's floor: the one-hot words
-  chart_features      no model, a PCFG task's ceiling: the exact chart of span posteriors
+  word_features       the words alone, one-hot: what a task gives away without a model
+  chart_features      a PCFG's exact chart of span posteriors: all a perfect model knows
   linear_probe        App. A.4's probe: 512-d Gaussian projection, standardised, softmax head
   finetune            the whole network plus a linear head (App. A.4)
   partial_r2          the trace's partial r² given KL: what flatness explains beyond the loss
@@ -19,12 +19,11 @@ After the banner, the plumbing: one checkpoint's row, the summary table, the com
 Each probed checkpoint appends to runs/NAME/probe.jsonl one JSON row (acc, acc_std over probe
 seeds, n_correct: per test sentence, how many seeds got it right; the settings).
 `--summary` joins the rows of train.py, hessian.py and probe.py in run folders (print_summary
-says what it prints). Two methods need no model and bound what any model can show: `--method
-onehot` probes one-hot words (the floor), `--method chart` a PCFG's exact chart (the ceiling).
+says what it prints). Two methods read the checkpoint's language, not its network: `--method
+onehot` probes one-hot words, `--method chart` a PCFG's exact chart of span posteriors.
 """
 import argparse
 import copy
-import csv
 import fnmatch
 import glob
 import importlib.util
@@ -43,7 +42,6 @@ import data
 import train
 
 METHODS = ("linear", "finetune", "onehot", "chart")
-PROJ_DIM = 512          # Gaussian projection of the concatenated features (App. A.4)
 LINEAR_LR = 1e-3        # AdamW lr of the linear head
 LINEAR_EPOCHS = 100
 LINEAR_BATCH = 512      # the authors' run_lp.py
@@ -88,14 +86,15 @@ def concat_features(net, tokens, lengths, width=None, device="cpu", batch_size=F
 
 
 def word_features(tokens, lengths, n_ids):
-    """The no-model baseline's representation: each position's one-hot word, [n, T] ->
-    [n, T·n_ids], zero at positions t >= length: what a task gives away from the words alone."""
+    """The words alone: each position's one-hot word, [n, T] -> [n, T·n_ids], zero at positions
+    t >= length: what a task gives away without a model (not a floor: on a task that is nearly
+    a function of two words, it can beat a model's features)."""
     in_sentence = torch.arange(tokens.shape[1])[None, :] < lengths[:, None]
     return (F.one_hot(tokens, n_ids).float() * in_sentence[..., None]).flatten(1)
 
 
 def chart_features(lang, tokens, lengths, batch_size=FEATURE_BATCH):
-    """A PCFG task's ceiling (no model): the exact chart, Pr(A spans exactly words [i, j) | x)
+    """A PCFG's exact chart (no network), Pr(A spans exactly words [i, j) | x)
     for every span 0 <= i < j <= T and symbol A (data.PCFG.span_posteriors), [n, T(T+1)/2 · S]
     float32, zero past the length: all a perfect model of the sentence could know of its parse."""
     i, j = torch.triu_indices(tokens.shape[1] + 1, tokens.shape[1] + 1, offset=1)
@@ -104,8 +103,9 @@ def chart_features(lang, tokens, lengths, batch_size=FEATURE_BATCH):
                       for b in range(0, len(tokens), batch_size)])
 
 
-def linear_probe(x_train, y_train, x_test, y_test, n_classes, seed, proj_dim=PROJ_DIM,
-                 epochs=LINEAR_EPOCHS, lr=LINEAR_LR, batch_size=LINEAR_BATCH):
+def linear_probe(x_train, y_train, x_test, y_test, n_classes, seed,
+                 proj_dim=train.PROJ_DIM, epochs=LINEAR_EPOCHS, lr=LINEAR_LR,
+                 batch_size=LINEAR_BATCH):
     """App. A.4's linear probe on frozen features -> correctness of each test prediction,
     bool [n_test] (on the CPU).
 
@@ -149,7 +149,8 @@ def finetune(model, train_split, test_split, n_classes, seed, epochs=FT_EPOCHS, 
              warmup=FT_WARMUP, batch_size=FT_BATCH, device="cpu"):
     """Correctness (bool [n_test]) after fine-tuning a copy of the whole network plus a linear
     head on concat_features (App. A.4): AdamW, linear warm-up for min(warmup, steps // 10)
-    steps then linear decay to 0 (BERT's), gradients clipped to FT_CLIP. `model` is unchanged."""
+    steps then linear decay to 0 (BERT's; train.lr_at), gradients clipped to FT_CLIP. `model` is
+    unchanged."""
     (tok, lengths, y), (tok_test, lengths_test, y_test) = train_split, test_split
     width = max(tok.shape[1], tok_test.shape[1])  # one head for both splits: width·d inputs
     g = torch.Generator().manual_seed(seed)
@@ -161,9 +162,9 @@ def finetune(model, train_split, test_split, n_classes, seed, epochs=FT_EPOCHS, 
         params = list(net.parameters()) + list(head.parameters())
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
         total = epochs * math.ceil(len(tok) / batch_size)
-        w = max(1, min(warmup, total // 10))           # BERT's: warm up over w steps, then decay
-        sched = torch.optim.lr_scheduler.LambdaLR(     # linearly to 0 at the last step
-            opt, lambda s: (s + 1) / w if s < w else (total - s) / max(1, total - w))
+        schedule = argparse.Namespace(lr=lr, steps=total, schedule="linear", decay_steps=0,
+                                      warmup_steps=max(1, min(warmup, total // 10)))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: train.lr_at(s, schedule) / lr)
         for _ in range(epochs):
             perm = torch.randperm(len(tok), generator=g)
             for i in range(0, len(tok), batch_size):
@@ -240,14 +241,14 @@ def same_loss_statistic(pairs):
     """"Same loss, better downstream, flatter" in one statistic (§4) over matched pairs
     [(seed, acc_diff, log_trace_ratio)], each B minus A at the same KL: acc_diff = acc_B - acc_A,
     log_trace_ratio = log(Tr_B / Tr_A). A seed's pairs are averaged first, then over seeds:
-    -> ((mean acc_diff, se), (mean log_trace_ratio, se), (k, n)), se = std(ddof=1)/sqrt(seeds)
-    (None for one seed), and in k of the n pairs the flatter side is the more accurate."""
+    -> (acc_diff's t_interval, log_trace_ratio's t_interval, (k, n)): (mean, se, lo, hi) over
+    seeds ((mean, None, None, None) for one seed), and in k of the n pairs the flatter side is
+    the more accurate."""
     seeds = sorted({s for s, _, _ in pairs})
     per_seed = np.array([np.mean([(d, r) for s2, d, r in pairs if s2 == s], 0) for s in seeds])
-    spread = (lambda v: float(v.std(ddof=1) / math.sqrt(len(v)))) if len(seeds) > 1 else None
-    return ((float(per_seed[:, 0].mean()), spread and spread(per_seed[:, 0])),
-            (float(per_seed[:, 1].mean()), spread and spread(per_seed[:, 1])),
-            (sum((d > 0) == (r < 0) and d != 0 for _, d, r in pairs), len(pairs)))
+    over_seeds = [t_interval(v) if len(v) > 1 else (float(v[0]), None, None, None)
+                  for v in per_seed.T]
+    return (*over_seeds, (sum((d > 0) == (r < 0) and d != 0 for _, d, r in pairs), len(pairs)))
 
 
 T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18)  # t, df 1..12
@@ -280,7 +281,7 @@ def match_kl(kl, kl_se, candidates):
 
 # ==================================================================================== plumbing
 METRIC_COLUMNS = ["eval_loss", "entropy", "kl", "kl_se"]
-HESSIAN_COLUMNS = ["trace", "trace_std", "top_eigenvalue", "min_eigenvalue", "sam_sharpness"]
+HESSIAN_COLUMNS = ["trace", "trace_std"]
 PROBE_SETTINGS = ("n_train", "n_test", "data_seed", "projection", "epochs", "seeds", "language")
 HESSIAN_SETTINGS = ("n_sentences", "n_samples", "n_repeats", "seed", "sentence_seed")
 
@@ -303,7 +304,8 @@ def checked_task(path, ckpt, lang, task, method):
 
 
 def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST,
-                     n_seeds=N_SEEDS, proj_dim=PROJ_DIM, epochs=None, device="cpu", cache=None):
+                     n_seeds=N_SEEDS, proj_dim=train.PROJ_DIM, epochs=None, device="cpu",
+                     cache=None):
     """Probe one checkpoint on `task` with probe seeds 0..n_seeds-1: its probe.jsonl row."""
     t0 = time.time()
     model, ckpt, lang = train.load_checkpoint(path, device=device)
@@ -354,10 +356,9 @@ def probe_settings(step, task, method, n_train, n_test, n_seeds, proj_dim, epoch
 
 
 # ----------------------------------------------------------------------------- the summary
-def summary_table(run_dirs, min_step=0, every=False):
+def summary_table(run_dirs, min_step=0):
     """(columns, rows): each run's metrics.jsonl (eval rows), hessian.jsonl and probe.jsonl
-    joined by step, a row per step >= min_step with a hessian or probe row (every=True: per
-    evaluated step whose checkpoint file exists, with its `path`): run, group, seed
+    joined by step, a row per step >= min_step with a hessian or probe row: run, group, seed
     (runs are named GROUP-sSEED), step, METRIC_COLUMNS, HESSIAN_COLUMNS, and per probe setting
     S (`{method}_{task}`, `_noproj` for --no-projection) `S_acc`, `S_acc_std`, with
     row["n_correct"][S] and row["n_probe_seeds"][S] for paired comparisons; the last row wins,
@@ -395,9 +396,6 @@ def summary_table(run_dirs, min_step=0, every=False):
             settings += [] if setting in settings else [setting]
             probes.setdefault(r["step"], {})[setting] = r
         steps = sorted(s for s in set(hess) | set(probes) if s >= min_step)
-        if every:
-            steps = [s for s in sorted(evals) if s >= min_step
-                     and os.path.exists(train.ckpt_path(run, s))]
         if not steps:
             raise ValueError(f"{run} has no hessian.jsonl or probe.jsonl rows at steps >= "
                              f"{min_step}: run hessian.py and probe.py on its checkpoints")
@@ -498,13 +496,6 @@ def pair_checkpoints(table, setting, spec_a, spec_b):
     return groups
 
 
-def to_measure(table, spec_a, spec_b):
-    """The checkpoint files a comparison needs measured (table: summary_table(..., every=True)):
-    A's, and B's best and next-best KL matches among every evaluated checkpoint."""
-    return [r["path"] for _, matches in pair_checkpoints(table, None, spec_a, spec_b)
-            for _, a, ranked, _ in matches for r in [a] + ranked[:2]]
-
-
 def compare(table, setting, spec_a, spec_b):
     """(printable lines, pairs) of the paired comparison (paired_difference) of checkpoints A and
     B of each training seed on probe setting `setting` (pair_checkpoints); with B@kl, the margin
@@ -568,11 +559,9 @@ def same_loss_lines(pairs, spec_a, spec_b):
     unmatched = [(a, b, d) for s, a, b, margin, d in pairs if margin >= 2]
     text = [f"same loss, B = {spec_b} minus A = {spec_a}: {len(matched)} matched pairs"]
     if matched:
-        (d, d_se), (r, r_se), (k, n) = same_loss_statistic(matched)
-        k_seeds = len({s for s, _, _ in matched})
-        t = t95(k_seeds)
-        text[0] += (f" in {k_seeds} seeds: acc {d:+.4f}" + (
-            f" ± {d_se:.4f} (95 % {d - t * d_se:+.4f} to {d + t * d_se:+.4f})" if d_se else "")
+        (d, d_se, lo, hi), (r, r_se, _, _), (k, n) = same_loss_statistic(matched)
+        text[0] += (f" in {len({s for s, _, _ in matched})} seeds: acc {d:+.4f}" + (
+            f" ± {d_se:.4f} (95 % {lo:+.4f} to {hi:+.4f})" if d_se else "")
                     + f", log Tr ratio {r:+.3f}" + (f" ± {r_se:.3f}" if r_se else "")
                     + f" (Tr x{math.exp(r):.2f}); the flatter side is the more accurate in "
                     f"{k}/{n} pairs")
@@ -598,10 +587,10 @@ def probed_settings(table):
     return list(dict.fromkeys(s for r in table for s in r["n_correct"]))
 
 
-def print_summary(columns, table, csv_path=None, comparisons=()):
+def print_summary(columns, table, comparisons=()):
     """Print the table; per probe setting and group of runs (and pooled over groups) the R² and
     slope sign of accuracy on the trace, on KL and on log KL and the trace's partial r² given
-    KL; the paired comparisons (first probe setting); then write the CSV if asked."""
+    KL; then the paired comparisons (first probe setting). Returns the pairs matched by KL."""
     cells = [columns] + [[_fmt(r.get(c)) for c in columns] for r in table]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     print("\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells))
@@ -632,79 +621,40 @@ def print_summary(columns, table, csv_path=None, comparisons=()):
         lines, found = compare(table, settings[0], spec_a, spec_b)
         print("\n".join(lines))
         pairs += [p for p in found if p[3] is not None]          # matched by KL: for --plot
-    if csv_path:
-        os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)
-        def write_csv(f):
-            w = csv.DictWriter(f, fieldnames=columns, lineterminator="\n")
-            w.writeheader()
-            w.writerows({c: "" if r.get(c) is None else r[c] for c in columns} for r in table)
-        data.write_whole(csv_path, write_csv, mode="w")
-        print(f"wrote {csv_path}")
     return pairs
 
 
 def plot_summary(table, path, pairs=()):
-    """Figures like the paper's, on the first probe setting: KL, trace and accuracy against step
-    per run (Figs. 1, 3) and accuracy against trace by group (Figs. 4, 5); with pairs matched by
-    KL (--compare A B@kl), instead accuracy against KL: B's runs as a line per seed, A's
-    checkpoints as triangles, the trace as colour, each pair joined (dotted where not matched)."""
+    """The same-loss figure (Figs. 1, 3 in one), on the first probe setting: accuracy against
+    KL, a line per run, the trace as colour; with pairs matched by KL (--compare A B@kl), A's
+    checkpoints as triangles and each pair joined (dotted where not matched)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    acc = f"{next(iter(probed_settings(table)), '')}_acc"
-    if pairs:
-        return plot_pairs(table, pairs, acc, path, plt)
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
-    colour = {g: f"C{i % 10}" for i, g in enumerate(sorted({r["group"] for r in table}))}
-    for ax, col, label in zip(axes, ("kl", "trace", acc), ("KL(truth || model), nats",
-                                                           "Tr[H] (Fisher)", acc)):
-        for run in dict.fromkeys(r["run"] for r in table):
-            rows = [r for r in table if r["run"] == run and _finite(r.get(col))]
-            ax.plot([r["step"] for r in rows], [r[col] for r in rows], "o-", ms=3, alpha=0.7,
-                    color=colour[rows[0]["group"]] if rows else None)
-        ax.set(xlabel="step", ylabel=label)
-    for g in colour:
-        rows = [r for r in table if r["group"] == g and _finite(r.get("trace"))
-                and _finite(r.get(acc))]
-        axes[3].scatter([r["trace"] for r in rows], [r[acc] for r in rows], color=colour[g],
-                        label=g, s=14)
-    axes[3].set(xlabel="Tr[H] (Fisher)", ylabel=acc)
-    axes[3].legend(fontsize=7)
-    save_figure(fig, path, plt, dpi=110)
-
-
-def plot_pairs(table, pairs, acc, path, plt):
-    """The same-loss figure of plot_summary."""
     from matplotlib.colors import LogNorm
+    acc = f"{next(iter(probed_settings(table)), '')}_acc"
+    rows = [r for r in table if _finite(r.get(acc)) and _finite(r.get("trace"))
+            and _finite(r.get("kl")) and r["kl"] > 0 and r["trace"] > 0]
+    if not rows:
+        raise ValueError("--plot: no checkpoint has a KL, a trace and an accuracy")
     fig, ax = plt.subplots(figsize=(7.5, 5))
-    traces = [r["trace"] for r in table if _finite(r.get("trace"))]
-    norm, cmap = LogNorm(min(traces), max(traces)), plt.get_cmap("viridis")
-    for run in sorted({b["run"] for _, _, b, _ in pairs}):
-        rows = sorted((r for r in table if r["run"] == run and _finite(r.get(acc))
-                       and _finite(r.get("trace"))), key=lambda r: r["step"])
-        ax.plot([r["kl"] for r in rows], [r[acc] for r in rows], "-", color="0.75", lw=0.8,
-                zorder=1)
-        ax.scatter([r["kl"] for r in rows], [r[acc] for r in rows], c=[r["trace"] for r in rows],
-                   cmap=cmap, norm=norm, s=10, zorder=2)
+    norm, cmap = LogNorm(min(r["trace"] for r in rows), max(r["trace"] for r in rows)), "viridis"
+    for run in dict.fromkeys(r["run"] for r in rows):
+        line = sorted((r for r in rows if r["run"] == run), key=lambda r: r["step"])
+        ax.plot([r["kl"] for r in line], [r[acc] for r in line], "-", color="0.75", lw=0.8)
+        points = ax.scatter([r["kl"] for r in line], [r[acc] for r in line],
+                            c=[r["trace"] for r in line], cmap=cmap, norm=norm, s=10, zorder=2)
     for _, a, b, margin in pairs:
-        ax.plot([a["kl"], b["kl"]], [a[acc], b[acc]], "k-" if margin < 2 else "k:", lw=0.7,
-                zorder=3)
-    points = ax.scatter([a["kl"] for _, a, _, _ in pairs], [a[acc] for _, a, _, _ in pairs],
-                        c=[a["trace"] for _, a, _, _ in pairs], cmap=cmap, norm=norm, s=40,
-                        marker="^", edgecolors="k", linewidths=0.5, zorder=4)
+        ax.plot([a["kl"], b["kl"]], [a[acc], b[acc]], "k-" if margin < 2 else "k:", lw=0.7)
+        ax.scatter([a["kl"]], [a[acc]], c=[a["trace"]], cmap=cmap, norm=norm, s=40, marker="^",
+                   edgecolors="k", linewidths=0.5, zorder=4)
     fig.colorbar(points, ax=ax, label="Tr[H] (Fisher)")
-    ax.set(xscale="log", xlabel="KL(truth || model), nats", ylabel=acc,
-           title="lines: B per seed; triangles: A; joined: pairs at the nearest KL "
-                 "(solid: matched)")
+    ax.set(xscale="log", xlabel="KL(truth || model), nats", ylabel=acc, title="lines: runs; "
+           "triangles: A of each pair, joined to B at the nearest KL (solid: matched)")
     ax.title.set_fontsize(8)
-    save_figure(fig, path, plt, dpi=100)
-
-
-def save_figure(fig, path, plt, dpi):
-    """The figure as a PNG at `path`, written whole or not at all."""
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    data.write_whole(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
+    data.write_whole(path, lambda f: fig.savefig(f, format="png", dpi=100))
     plt.close(fig)
     print(f"wrote {path}")
 
@@ -716,24 +666,20 @@ def parse_args(argv=None):
         usage="python probe.py CKPT ... [options] | --summary RUN_DIR ...",
         formatter_class=train.ShortHelp, epilog="A checkpoint already in its run's probe.jsonl "
         "with the same settings is skipped: run an interrupted command again to probe the rest.",
-        description=__doc__.split("\n\n")[0] + " (python -m pydoc probe: every option)")
+        description=__doc__.split("\n\n")[0])
     a = p.add_argument
     a("paths", nargs="+", help="checkpoints runs/NAME/ckpt_*.pt; with --summary, run folders")
     a("--summary", action="store_true", help="one table of the runs' rows, with R² per group")
     a("--compare", nargs=2, action="append", default=[], metavar=("A", "B"), help="with "
       "--summary: accuracy B - A per training seed; GROUP@STEP, STEP a number or last (B: or "
       "kl, kl-later)")
-    a("--to-measure", action="store_true", help="with --summary and --compare: print the "
-      "checkpoints the pairs need (B@kl: the best two of every evaluated one), one per line")
     a("--min-step", type=train.NATURAL, default=0,
       help="with --summary: only checkpoints at steps >= this")
-    a("--csv", help="with --summary: also write the table to this CSV file")
-    a("--plot", help="with --summary: draw the figures to this PNG (needs matplotlib; with "
-      "--compare A B@kl: accuracy against KL, pairs joined)")
+    a("--plot", help="with --summary: draw accuracy against KL, trace as colour, --compare's "
+      "pairs joined, to this PNG (needs matplotlib)")
     a("--task", help="downstream task (PCFG: A, B, C; HMM: k, e.g. 6; default: the first)")
     a("--method", choices=METHODS, default="linear", help="linear probe (default), fine-tuning "
-      "(App. A.4); no model: the linear probe on one-hot words (a task's floor) or on a PCFG's "
-      "exact chart (its ceiling)")
+      "(App. A.4); the linear probe on the language's one-hot words or on a PCFG's exact chart")
     a("--n-train", type=train.COUNT, default=N_TRAIN, help=f"training examples (default {N_TRAIN})")
     a("--n-test", type=train.COUNT, default=N_TEST,
       help=f"held-out test examples (default {N_TEST})")
@@ -744,14 +690,11 @@ def parse_args(argv=None):
     a("--device", type=train.device_flag, default="cpu", help="cpu (default) or cuda")
     data.threads_flag(p)
     args = p.parse_args(argv)
-    bad = [m for flag, path in (("--csv", args.csv), ("--plot", args.plot))
-            for m in [path and data.unwritable(path, flag)] if m]
+    bad = [m for m in [args.plot and data.unwritable(args.plot, "--plot")] if m]
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         bad.append("--plot needs matplotlib, which is not installed: pip install matplotlib")
-    if not args.summary and (args.compare or args.plot or args.csv or args.to_measure):
-        bad.append("--compare, --to-measure, --plot and --csv go with --summary RUN_DIR ...")
-    if args.to_measure and not args.compare:
-        bad.append("--to-measure needs --compare A B")
+    if not args.summary and (args.compare or args.plot):
+        bad.append("--compare and --plot go with --summary RUN_DIR ...")
     bad += [] if args.summary else train.missing_checkpoints(args.paths) + [
         m for folder in sorted({os.path.dirname(c) for c in args.paths})
         for m in [data.unwritable(os.path.join(folder, "probe.jsonl"), "the output")] if m]
@@ -770,18 +713,13 @@ def main(argv=None):
 def measure(args, written):
     """main() without its one-line exits: the summary, or a row per checkpoint."""
     torch.set_num_threads(args.threads)
-    if args.to_measure:
-        table = summary_table(args.paths, args.min_step, every=True)[1]
-        paths = [p for a, b in args.compare for p in to_measure(table, a, b)]
-        print("\n".join(dict.fromkeys(paths)))
-        return
     if args.summary:
         columns, table = summary_table(args.paths, args.min_step)
-        pairs = print_summary(columns, table, args.csv, args.compare)
+        pairs = print_summary(columns, table, args.compare)
         if args.plot:
             plot_summary(table, args.plot, pairs)
         return
-    proj_dim = None if args.no_projection else PROJ_DIM
+    proj_dim = None if args.no_projection else train.PROJ_DIM
 
     def settings_of(path):
         ckpt = train.read_checkpoint(path)

@@ -45,7 +45,7 @@ ALGOS = ("adamw", "sgd", "adversarial", "lookup")
 WARMUP = {"adamw": 0.06, "adversarial": 0.06, "sgd": 0.12}     # App. A.3 / App. B.3
 SCHEDULE = {"adamw": "linear", "adversarial": "linear", "sgd": "const"}
 ADAMW = dict(betas=(0.9, 0.98), eps=1e-6)                        # Izsak et al. (2021)
-ADV_PROJ_DIM = 512    # the adversary's projection: probe.PROJ_DIM, the evaluated probe's
+PROJ_DIM = 512        # App. A.4's Gaussian projection: probe.py's probe, and the adversary's
 ADV_ALPHA = 1.0       # the adversary's ridge penalty, relative to the mean squared feature norm
 EVAL_SEED = 20230401  # the eval set depends on the language only, so runs are comparable
 # Independent random streams: each number enters its draws' seeds, so it is fixed for good.
@@ -81,13 +81,12 @@ def mlm_log_probs(logits, V):
 def mlm_loss(logits, targets, V):
     """The MLM loss of §2.1: the mean, over the predicted positions (targets != -100), of the
     cross-entropy -log q(x_t | x_-t), where q = softmax of the logits over the V words only (the
-    special tokens, ids >= V, are never predicted). logits: [B, T, V + data.N_SPECIAL]; targets:
-    [B, T], the true word where predicted, else -100. Returns a scalar in float32 at least (bf16
-    logits are promoted; float64 logits give float64)."""
+    special tokens, ids >= V, are never predicted: mlm_log_probs). logits: [B, T, V +
+    data.N_SPECIAL]; targets: [B, T], the true word where predicted, else -100. Returns a scalar
+    in float32 at least (bf16 logits are promoted; float64 logits give float64)."""
     # BEGIN EXERCISE mlm_loss
     keep = targets != -100                                           # the predicted positions
-    logits = logits[keep][:, :V]                                     # (n, V)
-    log_q = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    log_q = mlm_log_probs(logits[keep], V)                           # (n, V)
     return F.nll_loss(log_q, targets[keep])                          # mean of -log q(x_t)
     # END EXERCISE mlm_loss
 
@@ -112,7 +111,7 @@ def adversarial_loss(feats, tokens, labels, n_classes, n1, pad, generator, alpha
     features of n = |D1| + |D2| downstream sentences (tokens [n, T], padding id `pad`) with
     labels [n] in 0..n_classes-1; D1 = the first n1 rows, D2 the rest. In float32:
       X = every position's features concatenated, zero at padding [n, T*d], times
-          R = gaussian_projection(T*d, ADV_PROJ_DIM, generator);
+          R = gaussian_projection(T*d, PROJ_DIM, generator);
       X standardised with D1's column mean and std (standardise);
       phi = argmin ||X1 phi - Y1||^2 + a ||phi||^2, Y1 = D1's one-hot labels, a = alpha times the
           mean over D1 of ||x_i||^2 (so the penalty does not depend on the features' scale);
@@ -124,7 +123,7 @@ def adversarial_loss(feats, tokens, labels, n_classes, n1, pad, generator, alpha
     X = (feats * (tokens != pad)[..., None]).reshape(feats.shape[0], -1)   # (n, T*d)
     Y = F.one_hot(labels, n_classes).float()
     with torch.autocast(X.device.type, enabled=False):                  # solve in float32
-        X = X.float() @ gaussian_projection(X.shape[1], ADV_PROJ_DIM, generator).to(X.device)
+        X = X.float() @ gaussian_projection(X.shape[1], PROJ_DIM, generator).to(X.device)
         X1, X2 = standardise(X[:n1], X[n1:])
         K = X1 @ X1.T                                                    # (n1, n1)
         a = alpha * K.diagonal().mean()
@@ -603,9 +602,6 @@ def grow_model(args):
         small, source, lang = load_checkpoint(args.grow_from)
         if source["kind"] != "mlm":
             raise ValueError(f"{args.grow_from}: a {source['kind']!r} checkpoint has no network")
-        c = small.config
-        wider = ({"n_heads": c.n_heads * args.grow_width, "n_layers": c.n_layers + args.grow_layers}
-                 if c.arch == "transformer" else {"lstm_hidden": c.lstm_hidden * args.grow_width})
         big = model.grow(small, width=args.grow_width, extra_layers=args.grow_layers,
                          seed=stream_seed(args.seed, "init"), split=args.grow_split)
     except (FileNotFoundError, ValueError) as e:
@@ -992,9 +988,8 @@ def merge_stored(args, given):
     may_change = set(RUNTIME_ARGS) | {"steps", "name"}
     if args.branch_from is not None:
         may_change |= {"decay_steps", "eval_every", "log_every", "ckpt_every", "runs"}
-    diff = [k for k in sorted(given - may_change - {"resume", "branch_from"})
-            if vars(args)[k] != stored.get(k) and not (
-                k == "runs" and os.path.realpath(args.runs) == os.path.realpath(stored["runs"]))]
+    diff = [k for k in sorted(given - may_change - {"resume", "branch_from", "runs"})
+            if vars(args)[k] != stored.get(k)]        # --runs: a resume's is its checkpoint's
     if diff:
         shown = ", ".join(f"{flag(k)} {vars(args)[k]} (the run's: {stored.get(k)})" for k in diff)
         raise SystemExit(f"train.py: {what} {path}: {shown}: a {what[2:]} keeps its run's "
@@ -1004,8 +999,7 @@ def merge_stored(args, given):
     if args.branch_from is not None:
         return branch_args(merged, args, given, ckpt)
     merged.resume = path
-    runs = os.path.dirname(os.path.dirname(os.path.abspath(path)))
-    merged.runs = args.runs if os.path.realpath(args.runs) == os.path.realpath(runs) else runs
+    merged.runs = os.path.dirname(os.path.dirname(os.path.abspath(path)))
     merged.name = os.path.basename(os.path.dirname(os.path.abspath(path)))
     if "steps" in given and args.steps != stored["steps"]:
         if args.steps < ckpt["step"]:

@@ -77,9 +77,9 @@ def bench(path, task, n_train, n_test, seeds):
         head.append(time.perf_counter() - t)
     # baseline: encoder inside each epoch (2 epochs timed, x50 to 100 epochs)
     g = torch.Generator().manual_seed(0)
-    R = train.gaussian_projection(x.shape[1], probe.PROJ_DIM, g)
+    R = train.gaussian_projection(x.shape[1], train.PROJ_DIM, g)
     z = x @ R
-    W = torch.zeros(n_classes, probe.PROJ_DIM, requires_grad=True)
+    W = torch.zeros(n_classes, train.PROJ_DIM, requires_grad=True)
     b = torch.zeros(n_classes, requires_grad=True)
     opt = torch.optim.AdamW([W, b], lr=probe.LINEAR_LR, weight_decay=probe.WEIGHT_DECAY)
     t = time.perf_counter()

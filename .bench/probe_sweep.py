@@ -49,7 +49,7 @@ def main():
         print(f"{name}: {path} (step {ckpt['step']})", flush=True)
     print(f"{'n_train':>7} {'epochs':>6} {'proj':>5} | {'acc A':>6} {'acc B':>6} "
           f"{'B - A, points':>15} | {'train acc A, B':>14} | seconds")
-    for proj in (None,) if args.no_projection else (probe.PROJ_DIM, None):
+    for proj in (None,) if args.no_projection else (train.PROJ_DIM, None):
         for n_train, epochs in args.grid:
             t0, correct, fit = time.time(), {}, {}
             for name in ("A", "B"):

@@ -35,7 +35,7 @@ TEACHING_PATH = [
     (f"train.py --lang pcfg-small --preset tf-small --steps 2 {TINY} --name t", ["attention"]),
     (f"train.py --algo adversarial --steps 2 {TINY} --adv-pool 64 --adv-n 16 "
      f"--name a", ["adversarial"]),
-    (f"hessian.py {Q} --sentences 8 --samples 2 --repeats 2 --hvp-sentences 4 --eig-iters 2",
+    (f"hessian.py {Q} --sentences 8 --samples 2 --repeats 2 --hvp-sentences 4",
      ["trace_hessian"]),
     ("hessian.py --sgd-demo", ["noise_covariance"]),
     (f"probe.py {Q} --n-train 20 --n-test 10 --seeds 2 --epochs 1", ["linear_probe"]),
