@@ -1028,10 +1028,10 @@ def test_data_spec_round_trips():
                                                       back.sample(20, seed=7)))
 
 
-def _rules_to_spec():
-    """.bench/rules_to_spec.py, the authors' rule-file reader, as a module."""
-    spec = importlib.util.spec_from_file_location(
-        "rules_to_spec", Path(__file__).parent / ".bench" / "rules_to_spec.py")
+def _bench(name):
+    """The script .bench/NAME.py as a module (its tests live here, with the code it moved)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / ".bench" /
+                                                  f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -1051,7 +1051,7 @@ def _rules_to_spec():
 ])
 def test_rules_to_spec_invalid_rule_files_raise(call, message):
     with pytest.raises(ValueError, match=message):
-        call(_rules_to_spec())
+        call(_bench("rules_to_spec"))
 
 
 _DATA_RULES = """# _data_rules_pcfg in the authors' format
@@ -1071,7 +1071,7 @@ def test_rules_to_spec_writes_the_spec_data_and_train_read(tmp_path, capsys):
     """A rule file converted to the spec JSON of the same grammar, read by data.py's CLI."""
     (tmp_path / "my rules.txt").write_text(_DATA_RULES)
     out = str(tmp_path / "g.json")
-    _rules_to_spec().main([str(tmp_path / "my rules.txt"), out])
+    _bench("rules_to_spec").main([str(tmp_path / "my rules.txt"), out])
     g, fixture = data.build_language(out), _data_rules_pcfg()
     assert g.symbols == fixture.symbols and g.words == fixture.words
     for a, b in ((g.root, fixture.root), (g.binary, fixture.binary), (g.lexical, fixture.lexical)):
@@ -1081,7 +1081,7 @@ def test_rules_to_spec_writes_the_spec_data_and_train_read(tmp_path, capsys):
     for argv, said in (([str(tmp_path / "missing.txt"), out], "cannot read rule file"),
                        ([str(tmp_path / "my rules.txt"), str(tmp_path / "g.txt")], ".json")):
         with pytest.raises(SystemExit, match=said) as e:
-            _rules_to_spec().main(argv)
+            _bench("rules_to_spec").main(argv)
         assert "\n" not in str(e.value.code)
 
 
@@ -1091,7 +1091,7 @@ def test_rules_to_spec_reads_the_authors_grammar_if_present():
     if not path.exists():
         pytest.skip("authors' grammar not present")
     with pytest.warns(UserWarning, match="reaches A1_9"):
-        g = _rules_to_spec().read_rules(path)
+        g = _bench("rules_to_spec").read_rules(path)
     assert (g.n_symbols, g.vocab_size) == (49, 200) and g.symbols[0] == "S1"
     t, l = g.sentences(200, seed=0)
     assert l.max() <= 16
@@ -2111,7 +2111,7 @@ def test_data_cli_runs_on_one_thread(tmp_path):
 
 def test_rules_to_spec_names_an_unreachable_symbol():
     with pytest.warns(UserWarning, match="x.txt: no derivation from the start symbol reaches Z$"):
-        _rules_to_spec().parse_rules("S A A 1.0\nA a 1.0\nZ z 1.0\n", "x.txt")
+        _bench("rules_to_spec").parse_rules("S A A 1.0\nA a 1.0\nZ z 1.0\n", "x.txt")
 
 
 def test_messages_are_whole_lines():
@@ -3227,15 +3227,6 @@ def test_hessian_fisher_gap_equals_exact_hessian_minus_fisher():
     assert abs(zero) < 1e-6
 
 
-def _flatness_measures():
-    """.bench/flatness_measures.py (Lanczos extremes, SAM sharpness) as a module."""
-    spec = importlib.util.spec_from_file_location(
-        "flatness_measures", Path(__file__).parent / ".bench" / "flatness_measures.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def hessian_full_lstm():
     """A 1-layer LSTM, a batch and its full Hessian: (net, inputs, targets, positions, H)."""
@@ -3247,7 +3238,7 @@ def hessian_full_lstm():
 def test_flatness_measures_lanczos_extremes_match_eigvalsh(hessian_full_lstm):
     net, inputs, targets, positions, H = hessian_full_lstm
     eigs = torch.linalg.eigvalsh((H + H.T) / 2)
-    lowest, top = _flatness_measures().lanczos_extremes(net, inputs, positions, targets, n_iter=40)
+    lowest, top = _bench("flatness_measures").lanczos_extremes(net, inputs, positions, targets, n_iter=40)
     assert abs(top - eigs[-1].item()) < 1e-3 * abs(eigs[-1].item())
     assert abs(lowest - eigs[0].item()) < 1e-2 * abs(eigs[0].item())
 
@@ -3260,7 +3251,7 @@ def test_flatness_measures_sam_sharpness_matches_its_taylor_expansion(hessian_fu
         hessian.pretraining_loss(net, inputs, positions, targets), params)]).double()
     rho, unit = 1e-2, g / g.norm()
     taylor = rho * g.norm() + 0.5 * rho ** 2 * unit @ H @ unit
-    sam = _flatness_measures().sam_sharpness(net, inputs, positions, targets, rho=rho)
+    sam = _bench("flatness_measures").sam_sharpness(net, inputs, positions, targets, rho=rho)
     assert abs(sam - taylor.item()) < 0.05 * taylor.item()
 
 
@@ -3274,7 +3265,7 @@ def test_flatness_measures_top_eigenvalue_is_the_largest_of_an_indefinite_hessia
     eigs = torch.linalg.eigvalsh((H + H.T) / 2)
     lowest, top = eigs[0].item(), eigs[-1].item()
     assert top > 0 and -lowest > 1.1 * top                     # the case the test is about
-    lo, hi = _flatness_measures().lanczos_extremes(net, inputs, positions, unlikely, n_iter=40)
+    lo, hi = _bench("flatness_measures").lanczos_extremes(net, inputs, positions, unlikely, n_iter=40)
     assert abs(lo / lowest - 1) < 1e-6 and abs(hi / top - 1) < 1e-6
 
 
@@ -3989,6 +3980,30 @@ def test_probe_compare_kl_later_pairs_only_checkpoints_trained_longer(tmp_path):
     for spec, step in (("br-*@kl", 2500), ("br-*@kl-later", 3500)):
         _, pairs = probe.compare(table, "linear_C", "run@3000", spec)
         assert [b["step"] for _, _, b, _ in pairs] == [step] * 3, spec
+
+
+def test_bench_to_measure_lists_the_pairs_checkpoints_from_every_evaluated_one(tmp_path):
+    """.bench/to_measure.py: A's checkpoint and B's two nearest KLs among every evaluated checkpoint
+    whose file exists, probed or not: an unprobed step 2100 (KL 0.0401) is the best match of
+    br-from1000's floor (0.0402), step 2000 the next; a checkpoint without a file is passed."""
+    runs, _ = _probe_toy_chain(tmp_path)
+    for run in runs:
+        for r in data.read_rows(os.path.join(run, "metrics.jsonl")):
+            open(train.ckpt_path(run, r["step"]), "w").close()
+    run0 = os.path.join(str(tmp_path), "run-s0")
+    with open(os.path.join(run0, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": 2100, "eval_loss": 3.2401, "entropy": 3.2, "kl": 0.0401,
+                            "kl_se": 0.001}) + "\n")
+    open(train.ckpt_path(run0, 2100), "w").close()
+    os.remove(train.ckpt_path(os.path.join(str(tmp_path), "run-s1"), 2000))
+    bench = _bench("to_measure")
+    got = [os.path.relpath(p, str(tmp_path)) for p in
+           bench.to_measure(bench.evaluated_rows(runs), "br-from1000@last", "run@kl")]
+    assert got == ["br-from1000-s0/ckpt_0001500.pt", "run-s0/ckpt_0002100.pt",
+                   "run-s0/ckpt_0002000.pt", "br-from1000-s1/ckpt_0001500.pt",
+                   "run-s1/ckpt_0001000.pt", "run-s1/ckpt_0003000.pt",
+                   "br-from1000-s2/ckpt_0001500.pt", "run-s2/ckpt_0002000.pt",
+                   "run-s2/ckpt_0001000.pt"]
 
 
 def test_probe_same_loss_statistic_equals_numpy(tmp_path):

@@ -7,7 +7,7 @@
 # lr (the constant run and the later branches, at later steps): a later branch passes through
 # an earlier floor while it decays, so the pair exists by construction. The constant run goes
 # to max(12000, P + 5000) (20000 at most). hessian.py and probe.py then measure every 1000th
-# constant-run checkpoint and the checkpoints the pairs need (probe.py --to-measure).
+# constant-run checkpoint and the checkpoints the pairs need (.bench/to_measure.py).
 #   bash .bench/e1_deep.sh SEED        (RUNS=folder, default runs; one thread)
 set -eu
 s=$1 R=${RUNS:-runs}
@@ -37,7 +37,7 @@ for k in 1 2 3 4 5; do
       --eval-every 25 --name "deep-b$k-s$s" $FAST
 done
 PAIRS="--compare deep-b[1-4]@last deep*@kl-later --compare deep-b[1-5]@last deep@kl"
-NEED=$(python probe.py --summary "$R/deep-s$s" "$R"/deep-b?-s$s $PAIRS --to-measure)
+NEED=$(python .bench/to_measure.py "$R/deep-s$s" "$R"/deep-b?-s$s $PAIRS)
 ALONG=$(for t in $(seq 1000 1000 "$END"); do ckpt "$t"; echo; done)
 python hessian.py $ALONG $NEED
 python probe.py $ALONG $NEED $PROBE

@@ -28,7 +28,7 @@ for w in 1 2; do
     --ckpt-every 25 --eval-every 25 --name "$run" $FAST
 done
 PAIRS="--compare $setting-w1@last $setting-w2@kl --compare $setting-w2@last $setting-w1@kl"
-NEED=$(python probe.py --summary "$R/$setting-w1-s$s" "$R/$setting-w2-s$s" $PAIRS --to-measure)
+NEED=$(python .bench/to_measure.py "$R/$setting-w1-s$s" "$R/$setting-w2-s$s" $PAIRS)
 ALONG=$(for w in 1 2; do for t in 0000000 0000500 0001000; do
   echo "$R/$setting-w$w-s$s/ckpt_$t.pt"; done; done)
 python hessian.py $ALONG $NEED
