@@ -1714,7 +1714,8 @@ def _train_ddp_worker(rank, world, tmp_path, out, attempt=0):
     r, w = train.setup_distributed(args)
     net = train.build_model(args, lang)
     ddp = torch.nn.parallel.DistributedDataParallel(train.Objective(net))
-    inputs, targets = train.make_batch(lang, args, 0, r, args.batch // w)
+    inputs, targets = train.make_batch(lang, args, 0, args.batch)
+    inputs, targets = inputs[r::w], targets[r::w]                  # this rank's share
     logits, _ = ddp(inputs)
     train.mlm_loss(logits, targets, lang.vocab_size).backward()
     if r == 0:
@@ -1736,13 +1737,12 @@ def test_train_ddp_gloo_matches_single_process(tmp_path):
                 raise
             print(f"DDP attempt {attempt + 1} failed ({type(e).__name__}: {str(e)[-300:]})")
     ddp_grads = torch.load(out, weights_only=True)
-    # one process, the same global batch: both ranks' halves, concatenated
+    # one process, the same global batch
     args = train.parse_args(_train_args(tmp_path, "--batch", 16))
     train.check_args(args)
     lang = data.build_language(args.lang, args.lang_seed)
     net = train.build_model(args, lang)
-    halves = [train.make_batch(lang, args, 0, r, 8) for r in range(2)]
-    inputs, targets = (torch.cat(x) for x in zip(*halves))
+    inputs, targets = train.make_batch(lang, args, 0, 16)
     train.mlm_loss(net(inputs), targets, lang.vocab_size).backward()
     for n, p in net.named_parameters():
         torch.testing.assert_close(ddp_grads[n], p.grad, rtol=1e-5, atol=1e-7)
@@ -2639,7 +2639,7 @@ def test_train_sgd_update_is_theta_minus_lr_grad(tmp_path):
     run = train.train(args)
     lang = data.build_language(args.lang, args.lang_seed)
     net = train.build_model(args, lang)                 # same init stream: the step-0 weights
-    inputs, targets = train.make_batch(lang, args, 0, 0, args.batch)
+    inputs, targets = train.make_batch(lang, args, 0, args.batch)
     train.mlm_loss(net(inputs), targets, lang.vocab_size).backward()
     after = _weights(os.path.join(run, "ckpt_0000001.pt"))
     for name, p in net.named_parameters():              # warm-up of 1 step: lr at update 0 = lr
@@ -2654,7 +2654,7 @@ def test_train_objective_of_one_masked_word_is_mlm_loss_of_every_position(tmp_pa
         args = train.parse_args(_train_args(tmp_path, "--preset", preset))
         train.check_args(args)
         net = train.build_model(args, lang)
-        inputs, targets = train.make_batch(lang, args, 3, 0, 32)
+        inputs, targets = train.make_batch(lang, args, 3, 32)
         loss, total, adv = train.training_objective(train.Objective(net), inputs, targets,
                                                     lang.vocab_size, args)
         full = train.mlm_loss(net(inputs), targets, lang.vocab_size)
@@ -2797,7 +2797,7 @@ def test_train_adversarial_objective_is_mlm_minus_lambda_d2(tmp_path):
     train.check_args(args)
     lang = data.build_language(args.lang, args.lang_seed)
     net = train.build_model(args, lang)
-    inputs, targets = train.make_batch(lang, args, 0, 0, 32)
+    inputs, targets = train.make_batch(lang, args, 0, 32)
     tokens, _, labels = lang.task_data("6", 40, seed=0)
     C = lang.n_classes("6")
     loss, total, adv = train.training_objective(train.Objective(net), inputs, targets,

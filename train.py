@@ -19,8 +19,9 @@ Writes runs/NAME/: config.json, metrics.jsonl (a JSON row per log step), ckpt_00
 (dicts for torch.load(weights_only=True): all that resuming, hessian.py and probe.py need).
 
 Reading order: the paper's objects (make_batch, mlm_loss, adversarial_loss, make_optimizer,
-lr_at, evaluate, LookupTable), the training loop (train, one_update), then the plumbing (command
-line, checks, run folders, checkpoints, resume and branch).
+lr_at, evaluate, LookupTable); the plumbing (command line, checks, DDP's setup_distributed, run
+folders, checkpoints, resume and branch); then the training loop (train, one_update), which
+calls both, and main.
 """
 import argparse
 import contextlib
@@ -56,12 +57,12 @@ STREAMS = {"init": 1, "data": 2, "mask": 3, "task": 6, "adv": 7, "eval": 8, "pro
 # the paper's objects: data, objectives, optimiser, exact evaluation
 # ==================================================================================================
 
-def make_batch(lang, args, step, rank, n):
-    """This rank's MLM batch at `step`, a function of (args.seed, step, rank): (inputs, targets
-    [n, T], -100 where nothing is predicted) from fresh sentences (the population loss of §3),
-    one uniform mask per sentence (§2.1) or a `--mask-rate` fraction masked (App. E)."""
-    tokens, lengths = lang.sentences(n, seed=stream_seed(args.seed, "data", step, rank))
-    V, gen = lang.vocab_size, generator(args.seed, "mask", step, rank)
+def make_batch(lang, args, step, n):
+    """The MLM batch of update `step`, a function of (args.seed, step): (inputs, targets [n, T],
+    -100 where nothing is predicted) from fresh sentences (the population loss of §3), one
+    uniform mask per sentence (§2.1) or a `--mask-rate` fraction masked (App. E)."""
+    tokens, lengths = lang.sentences(n, seed=stream_seed(args.seed, "data", step, 0))
+    V, gen = lang.vocab_size, generator(args.seed, "mask", step, 0)
     if args.mask_rate is not None:
         return data.mask_rate(tokens, lengths, V, rate=args.mask_rate, generator=gen)
     inputs, targets, positions = data.mask_one(tokens, lengths, V, generator=gen)
@@ -282,123 +283,6 @@ class LookupTable(nn.Module):
         logp = self._conditional(tokens).clamp_min(1e-30).log()
         logp = F.pad(logp, (0, data.N_SPECIAL), value=math.log(1e-30))
         return logp.to(tokens.device)
-
-
-# ------------------------------------------------------------------------------ the training loop
-
-@dataclasses.dataclass
-class LossWindow:
-    """Sums over the updates since the last metrics row (averaged over ranks when written)."""
-    loss: float = 0.0
-    updates: int = 0
-    adv_loss: float = 0.0
-
-
-@dataclasses.dataclass
-class Run:
-    """Everything one update, one metrics row and one checkpoint need."""
-    args: argparse.Namespace
-    lang: object
-    net: nn.Module
-    objective: nn.Module          # the net in one forward, maybe compiled and DDP-wrapped
-    opt: torch.optim.Optimizer
-    ev: EvalSet                   # None on ranks > 0
-    dir: str
-    rank: int
-    world: int
-    device: torch.device
-    task: tuple = None            # adversarial: (tokens, labels, n_classes) of the task pool
-    step: int = 0
-    wall0: float = 0.0            # seconds this run ran before its last resume
-    window: LossWindow = dataclasses.field(default_factory=LossWindow)
-    t_start: float = dataclasses.field(default_factory=time.time)
-    t_window: float = dataclasses.field(default_factory=time.time)
-    tokens_window: int = 0
-
-
-def train(args):
-    """Run one training job as the arguments say (see the module docstring)."""
-    check_args(args)
-    torch.set_num_threads(args.threads)
-    fused, model.FUSED_ATTENTION = model.FUSED_ATTENTION, args.fused_attention
-    try:
-        return train_run(args)
-    finally:
-        model.FUSED_ATTENTION = fused               # for this run only
-        while _LOCKS:                               # the run folder is free again
-            _LOCKS.pop().close()
-
-
-def train_run(args):
-    """train() without the release of the run folder's lock."""
-    run = start_run(args)
-    if run is None:                                  # a lookup table, or a run already complete
-        return os.path.join(args.runs, args.name)
-    start_step = run.step
-    with deferred_interrupts() as stop:
-        try:
-            while run.step < args.steps:
-                if stop:
-                    raise KeyboardInterrupt
-                one_update(run)
-                is_ckpt = run.step % args.ckpt_every == 0 or run.step == args.steps
-                is_eval = run.step % args.eval_every == 0 or is_ckpt
-                if is_eval or run.step % args.log_every == 0:
-                    write_row(run, is_eval, start_step)
-                if is_ckpt:
-                    save(run)
-        except KeyboardInterrupt:                     # lose nothing beyond the last update
-            if run.rank == 0 and not os.path.isfile(ckpt_path(run.dir, run.step)):
-                save(run)
-            raise SystemExit(f"train.py: interrupted; saved step {run.step} in "
-                             f"{ckpt_path(run.dir, run.step)}; continue it with: python train.py "
-                             f"--runs {args.runs} --name {args.name} --resume")
-        finally:
-            if run.world > 1 and dist.is_initialized():
-                dist.destroy_process_group()
-    return run.dir
-
-
-def one_update(run):
-    """One optimizer update on this rank's slice of a fresh global batch (§2.1, App. A.3-A.4)."""
-    args, step, device = run.args, run.step, run.device
-    for group in run.opt.param_groups:
-        group["lr"] = lr_at(step, args)
-    inputs, targets = make_batch(run.lang, args, step, run.rank, args.batch // run.world)
-    task_tokens = task_labels = n_classes = None
-    if run.task is not None:                            # D1 = the first adv_n, D2 the next adv_n
-        tokens, labels, n_classes = run.task
-        idx = torch.randperm(args.adv_pool, generator=generator(args.seed, "adv", step, run.rank))
-        idx = idx[:2 * args.adv_n]
-        task_tokens, task_labels = tokens[idx].to(device), labels[idx].to(device)
-    amp = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16(args, device)
-           else contextlib.nullcontext())
-    with amp:
-        loss, total, adv = training_objective(
-            run.objective, inputs.to(device), targets.to(device), run.lang.vocab_size, args,
-            task_tokens, task_labels, n_classes, generator(args.seed, "proj", step, run.rank))
-    loss_value = loss.item()
-    if not math.isfinite(loss_value) or not math.isfinite(total.item()):
-        last = (list_checkpoints(run.dir) or ["(none yet)"])[-1]
-        raise SystemExit(f"train.py: loss is {loss_value} at step {step + 1}; stopped before the "
-                         f"update. The last good checkpoint is {last}; try a lower --lr")
-    run.opt.zero_grad(set_to_none=True)
-    total.backward()
-    run.opt.step()
-    run.step += 1
-    run.window.loss += loss_value
-    run.window.updates += 1
-    run.window.adv_loss += 0.0 if adv is None else adv.item()
-    run.tokens_window += args.batch * run.lang.max_len
-
-
-def bf16(args, device):
-    """Whether the training step runs under bf16 autocast (--precision): matmuls in bf16; the
-    loss, LayerNorm, softmax, the weights and AdamW's moments stay fp32. "auto" means bf16 on CUDA
-    only (a CPU without bf16 units emulates it, slower than fp32). Exact quantities (evaluate's
-    KL, hessian.py, probe.py's features, data.py) never autocast: bf16's relative error, 4e-3,
-    is on the scale of the KLs they resolve."""
-    return args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
 
 
 # ==================================================================================================
@@ -1033,6 +917,126 @@ def branch_args(merged, args, given, ckpt):
         source = os.path.basename(os.path.dirname(os.path.abspath(args.branch_from)))
         merged.name = f"{source}-from{step}-decay{n}"
     return merged
+
+
+# ==================================================================================================
+# the training loop: the paper's objects above, put to work by the plumbing between
+# ==================================================================================================
+
+@dataclasses.dataclass
+class LossWindow:
+    """Sums over the updates since the last metrics row (averaged over ranks when written)."""
+    loss: float = 0.0
+    updates: int = 0
+    adv_loss: float = 0.0
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything one update, one metrics row and one checkpoint need."""
+    args: argparse.Namespace
+    lang: object
+    net: nn.Module
+    objective: nn.Module          # the net in one forward, maybe compiled and DDP-wrapped
+    opt: torch.optim.Optimizer
+    ev: EvalSet                   # None on ranks > 0
+    dir: str
+    rank: int
+    world: int
+    device: torch.device
+    task: tuple = None            # adversarial: (tokens, labels, n_classes) of the task pool
+    step: int = 0
+    wall0: float = 0.0            # seconds this run ran before its last resume
+    window: LossWindow = dataclasses.field(default_factory=LossWindow)
+    t_start: float = dataclasses.field(default_factory=time.time)
+    t_window: float = dataclasses.field(default_factory=time.time)
+    tokens_window: int = 0
+
+
+def train(args):
+    """Run one training job as the arguments say (see the module docstring)."""
+    check_args(args)
+    torch.set_num_threads(args.threads)
+    fused, model.FUSED_ATTENTION = model.FUSED_ATTENTION, args.fused_attention
+    try:
+        return train_run(args)
+    finally:
+        model.FUSED_ATTENTION = fused               # for this run only
+        while _LOCKS:                               # the run folder is free again
+            _LOCKS.pop().close()
+
+
+def train_run(args):
+    """train() without the release of the run folder's lock."""
+    run = start_run(args)
+    if run is None:                                  # a lookup table, or a run already complete
+        return os.path.join(args.runs, args.name)
+    start_step = run.step
+    with deferred_interrupts() as stop:
+        try:
+            while run.step < args.steps:
+                if stop:
+                    raise KeyboardInterrupt
+                one_update(run)
+                is_ckpt = run.step % args.ckpt_every == 0 or run.step == args.steps
+                is_eval = run.step % args.eval_every == 0 or is_ckpt
+                if is_eval or run.step % args.log_every == 0:
+                    write_row(run, is_eval, start_step)
+                if is_ckpt:
+                    save(run)
+        except KeyboardInterrupt:                     # lose nothing beyond the last update
+            if run.rank == 0 and not os.path.isfile(ckpt_path(run.dir, run.step)):
+                save(run)
+            raise SystemExit(f"train.py: interrupted; saved step {run.step} in "
+                             f"{ckpt_path(run.dir, run.step)}; continue it with: python train.py "
+                             f"--runs {args.runs} --name {args.name} --resume")
+        finally:
+            if run.world > 1 and dist.is_initialized():
+                dist.destroy_process_group()
+    return run.dir
+
+
+def one_update(run):
+    """One optimizer update on this rank's slice of a fresh global batch (§2.1, App. A.3-A.4)."""
+    args, step, device = run.args, run.step, run.device
+    for group in run.opt.param_groups:
+        group["lr"] = lr_at(step, args)
+    inputs, targets = make_batch(run.lang, args, step, args.batch)
+    inputs, targets = inputs[run.rank::run.world], targets[run.rank::run.world]  # DDP: a share
+    task_tokens = task_labels = n_classes = None
+    if run.task is not None:                            # D1 = the first adv_n, D2 the next adv_n
+        tokens, labels, n_classes = run.task
+        idx = torch.randperm(args.adv_pool, generator=generator(args.seed, "adv", step, run.rank))
+        idx = idx[:2 * args.adv_n]
+        task_tokens, task_labels = tokens[idx].to(device), labels[idx].to(device)
+    amp = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16(args, device)
+           else contextlib.nullcontext())
+    with amp:
+        loss, total, adv = training_objective(
+            run.objective, inputs.to(device), targets.to(device), run.lang.vocab_size, args,
+            task_tokens, task_labels, n_classes, generator(args.seed, "proj", step, run.rank))
+    loss_value = loss.item()
+    if not math.isfinite(loss_value) or not math.isfinite(total.item()):
+        last = (list_checkpoints(run.dir) or ["(none yet)"])[-1]
+        raise SystemExit(f"train.py: loss is {loss_value} at step {step + 1}; stopped before the "
+                         f"update. The last good checkpoint is {last}; try a lower --lr")
+    run.opt.zero_grad(set_to_none=True)
+    total.backward()
+    run.opt.step()
+    run.step += 1
+    run.window.loss += loss_value
+    run.window.updates += 1
+    run.window.adv_loss += 0.0 if adv is None else adv.item()
+    run.tokens_window += args.batch * run.lang.max_len
+
+
+def bf16(args, device):
+    """Whether the training step runs under bf16 autocast (--precision): matmuls in bf16; the
+    loss, LayerNorm, softmax, the weights and AdamW's moments stay fp32. "auto" means bf16 on CUDA
+    only (a CPU without bf16 units emulates it, slower than fp32). Exact quantities (evaluate's
+    KL, hessian.py, probe.py's features, data.py) never autocast: bf16's relative error, 4e-3,
+    is on the scale of the KLs they resolve."""
+    return args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
 
 
 def main(argv=None):

@@ -53,7 +53,7 @@ def make_step(argv, precision, compiled, every_position=False):
     net = train.build_model(args, lang)
     opt = train.make_optimizer(net, args)
     objective = torch.compile(train.Objective(net)) if compiled else train.Objective(net)
-    batches = [train.make_batch(lang, args, s, 0, args.batch) for s in range(4)]
+    batches = [train.make_batch(lang, args, s, args.batch) for s in range(4)]
     device, k = torch.device("cpu"), [0]
 
     def step():

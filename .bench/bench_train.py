@@ -59,7 +59,7 @@ def ours(preset, lang, batch):
     args = train.parse_args(["--batch", str(batch)])
     train.check_args(args)
     opt = train.make_optimizer(net, args)
-    inputs, targets = train.make_batch(lang, args, 0, 0, batch)
+    inputs, targets = train.make_batch(lang, args, 0, batch)
 
     def step():
         loss = train.mlm_loss(net(inputs), targets, V)
@@ -86,7 +86,7 @@ def bert(cfg, lang, batch):
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3, betas=(0.9, 0.98), eps=1e-6)
     args = train.parse_args(["--batch", str(batch)])
     train.check_args(args)
-    inputs, targets = train.make_batch(lang, args, 0, 0, batch)
+    inputs, targets = train.make_batch(lang, args, 0, batch)
 
     def step():
         loss = net(input_ids=inputs, labels=targets).loss
