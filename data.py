@@ -865,9 +865,16 @@ def write_whole(path, write, mode="wb"):
 
 def append_line(path, line):
     """Append one line (a JSON row) in one write; on failure the file is cut back to its old
-    length, so no half row is left (a full disk, a file-size limit, a signal)."""
-    with open(path, "ab", buffering=0) as f:
+    length, so no half row is left (a full disk, a file-size limit, a signal). A last line cut
+    short before (by a killed process) is removed first, so the new row starts a line."""
+    with open(path, "ab+", buffering=0) as f:                  # reads anywhere, writes at the end
         size = f.seek(0, os.SEEK_END)
+        f.seek(max(size - 1, 0))
+        if size and f.read(1) != b"\n":
+            f.seek(0)
+            size = f.read().rfind(b"\n") + 1                   # where the cut line starts
+            os.ftruncate(f.fileno(), size)
+            print(f"{path}: removed its half-written last line", file=sys.stderr)
         try:
             rest = memoryview((line.rstrip("\n") + "\n").encode())
             while rest:                               # a write may land in part, then fail
@@ -918,8 +925,9 @@ def command(script, body, sizes, saved):
     except RuntimeError as e:
         if "alloc" not in str(e):                                    # not a memory error: a bug
             raise
-        sys.exit(f"{script}: cannot allocate memory ({first_line(e)[-80:]}): lower {sizes}; "
-                 f"{saved()}")
+        said = first_line(e)
+        said = said if len(said) <= 80 else said[:80].rsplit(" ", 1)[0] + " ..."   # whole words
+        sys.exit(f"{script}: cannot allocate memory ({said}): lower {sizes}; {saved()}")
     except OSError as e:              # a full disk, a file-size limit, a folder refusing writes
         sys.exit(f"{script}: could not write {e.filename or 'a file'}: {e.strerror or e} (no "
                  f"file is left half-written); {saved()}")
@@ -928,11 +936,15 @@ def command(script, body, sizes, saved):
 def read_rows(path, needs=("step",)):
     """The rows of a JSON-lines file written by append_line ([] if there is none). A last line
     cut short (a process killed mid-write) is dropped with a note; any other line that is not a
-    JSON object with the keys `needs` is a one-line ValueError naming the file and line."""
+    JSON object with the keys `needs` (a whole-number step) is a one-line ValueError naming the
+    file and line."""
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        lines = [(no, line) for no, line in enumerate(f, 1) if line.strip()]
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [(no, line) for no, line in enumerate(f, 1) if line.strip()]
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a text file of JSON rows; move it away") from None
     rows = []
     for no, line in lines:
         try:
@@ -944,6 +956,9 @@ def read_rows(path, needs=("step",)):
             raise ValueError(f"{path}, line {no}: not a JSON row; delete that line") from None
         if not isinstance(row, dict) or not all(k in row for k in needs):
             raise ValueError(f"{path}, line {no}: not a row with {', '.join(needs)}")
+        if type(row.get("step", 0)) is not int:
+            raise ValueError(f"{path}, line {no}: its step {row['step']!r} is not a whole "
+                             f"number; delete that line")
         rows.append(row)
     return rows
 
@@ -984,7 +999,7 @@ def _parser():
                                 "weights_only=True).")
     a = p.add_argument
     a("kind", help=f"one of {', '.join(LANGUAGES)}, or a spec .json file")
-    a("--n", type=int_flag(1), default=10000, help="number of sentences")
+    a("--n", type=int_flag(1, 10 ** 8), default=10000, help="number of sentences")
     a("--seed", type=int_flag(0, SEED_MAX), default=0, help="seed of the language and the sample")
     a("--out", required=True, help="output file (.pt)")
     a("--conditionals", action="store_true",
@@ -995,7 +1010,7 @@ def _parser():
 
 def main(argv=None):
     """Command line (App. A.1): sample one language's sentences, task labels and spec."""
-    command("data.py", lambda: sample_to_file(argv), "--n",
+    command("data.py", lambda: sample_to_file(argv), "--n or the language's size",
             lambda: "nothing written (--out is written whole at the end); run it again")
 
 

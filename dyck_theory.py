@@ -393,13 +393,15 @@ def failure_probability_exact(T, n):
 # ========== plumbing: the claims, the command line ==========
 def check_args(T, m, n, seed=0, threads=1):
     """Raise one ValueError naming every argument outside Thm 5.1's setting (T even >= 6, m >= 2
-    or None for the default, n >= 1) or the command line's (seed, threads)."""
-    bad = [f"--{k} must be >= {lo} ({why}), got {v}" for k, v, lo, why in (
-        ("m", m, 2, "solution (1) needs two neurons"), ("n", n, 1, "downstream samples"),
-        ("threads", threads, 1, "torch CPU threads")) if v is not None and v < lo]
-    if T < 6 or T % 2:
-        bad.insert(0, f"--T must be even and >= 6 (Thm 5.1 assumes T >= 6; sentences need T/2 "
-                      f"of each bracket), got {T}")
+    or None for the default, n >= 1) or the command line's (seed, threads, sizes this machine
+    can hold: T <= 1000, m <= 2^20, n <= 10^6)."""
+    bad = [f"--{k} must be in {lo}..{hi} ({why}), got {v}" for k, v, lo, hi, why in (
+        ("m", m, 2, 2 ** 20, "solution (1) needs two neurons"),
+        ("n", n, 1, 10 ** 6, "downstream samples"), ("threads", threads, 1, 1024, "CPU threads"))
+        if v is not None and not lo <= v <= hi]
+    if T < 6 or T % 2 or T > 1000:
+        bad.insert(0, f"--T must be even and in 6..1000 (Thm 5.1 assumes T >= 6; sentences need "
+                      f"T/2 of each bracket), got {T}")
     if not 0 <= seed < 2**32:
         bad.append(f"--seed must be in 0..{2**32 - 1}, got {seed}")
     if bad:
@@ -568,7 +570,8 @@ def main(argv=None):
     except (MemoryError, RuntimeError) as e:
         if "alloc" not in str(e) and not isinstance(e, MemoryError):
             raise
-        sys.exit(f"dyck_theory.py: cannot allocate memory for --m {m} at --T {args.T}: lower them")
+        sys.exit(f"dyck_theory.py: cannot allocate memory for --m {m}, --T {args.T}, --n "
+                 f"{args.n}: lower them")
     if args.json:
         return print(json.dumps(result))
     print()

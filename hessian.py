@@ -11,7 +11,7 @@ that torch.func and double backward need, and the command line. Every measure ru
 (dropout off).
 
     python hessian.py runs/e1-s0/ckpt_*.pt                   # CPU: 300 sentences × 10 ỹ × 5
-    python hessian.py runs/NAME/ckpt_*.pt --paper --device cuda   # App. B.2: 10,000 × 50 × 5
+    python hessian.py runs/NAME/ckpt_*.pt --sentences 10000 --samples 50 --device cuda  # B.2
     python hessian.py runs/e1-s0/ckpt_0006000.pt --fisher-gap 30  # also Tr[∇²L] - Tr[G]
     python hessian.py --sgd-demo                              # Theorem 3.3 on the toy problem
 
@@ -37,10 +37,6 @@ import data
 import model as model_lib   # trace_hessian's argument is called `model`
 import train
 
-# sentences per estimate, ỹ drawn per sentence, repetitions (the paper reports mean ± std),
-# sentences for the Hessian-vector products of --fisher-gap
-CPU_SETTINGS = dict(sentences=300, samples=10, repeats=5, hvp_sentences=100)
-PAPER_SETTINGS = dict(sentences=10_000, samples=50, repeats=5, hvp_sentences=1000)  # App. B.2
 SENTENCE_SEED = 0            # the same masked sentences for every checkpoint of a run
 DRAW_SEED = 0                # the ỹ draws and the HVP probe vectors
 GRAD_FLOATS_PER_CHUNK = 2**25  # ~128 MiB of float32 per-sample gradients per vmap chunk
@@ -439,16 +435,14 @@ def parse_args(argv=None):
         description=__doc__.split("\n\n")[0])
     a = p.add_argument
     a("checkpoints", nargs="*", help="checkpoint files runs/NAME/ckpt_*.pt (train.py)")
-
-    def setting(flag, text):                 # None: filled in from CPU_SETTINGS or --paper
-        key = flag[2:].replace("-", "_")
-        a(flag, type=data.int_flag(2 if flag == "--repeats" else 1), default=None,
-          help=f"{text} (default {CPU_SETTINGS[key]}; --paper: {PAPER_SETTINGS[key]})")
-    setting("--sentences", "masked sentences per checkpoint")
-    setting("--samples", "labels ỹ drawn from the model per sentence")
-    setting("--repeats", "independent repetitions for the std, >= 2")
-    setting("--hvp-sentences", "sentences (the first of the above) for --fisher-gap")
-    a("--paper", action="store_true", help="App. B.2's sizes (a GPU job); explicit flags win")
+    a("--sentences", type=data.int_flag(1, 10 ** 6), default=300,
+      help="masked sentences per checkpoint (default 300; App. B.2: 10000)")
+    a("--samples", type=data.int_flag(1, 10 ** 4), default=10,
+      help="labels ỹ drawn from the model per sentence (default 10; App. B.2: 50)")
+    a("--repeats", type=data.int_flag(2, 100), default=5,
+      help="independent repetitions for the std (default 5, as App. B.2)")
+    a("--hvp-sentences", type=data.int_flag(1, 10 ** 6), default=100,
+      help="the first sentences, for --fisher-gap's Hessian-vector products (default 100)")
     a("--fisher-gap", type=train.NATURAL, default=0,
       help="also report Tr[∇²L] - Tr[G] against the true conditional with this many "
            "Rademacher probes (fisher_gap); 0 = off")
@@ -456,14 +450,9 @@ def parse_args(argv=None):
     data.threads_flag(p)
     a("--sgd-demo", action="store_true", help="run Theorem 3.3's demonstration instead")
     args = p.parse_args(argv)
-    for key, value in (PAPER_SETTINGS if args.paper else CPU_SETTINGS).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
     if not args.sgd_demo and not args.checkpoints:
         p.error("give checkpoint files (runs/NAME/ckpt_*.pt) or --sgd-demo")
-    bad = train.missing_checkpoints(args.checkpoints)   # ranges: checked by the argparse types
-    bad += [m for folder in sorted({os.path.dirname(c) for c in args.checkpoints})
-            for m in [data.unwritable(os.path.join(folder, "hessian.jsonl"), "the output")] if m]
+    bad = train.missing_checkpoints(args.checkpoints, "hessian.jsonl")   # ranges: argparse's
     if bad:
         p.error("; ".join(bad))
     return args

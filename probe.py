@@ -547,6 +547,12 @@ def compare(table, setting, spec_a, spec_b):
             next_best = paired_difference([counts(a) for a, _, _ in matches],
                                           [counts(b[1]) for _, b, _ in matches], n_seeds)[2]
             lines.append(f"  with the next-best KL match instead: {next_best:+.4f}")
+    sides = [{r["seed"] for r in table if fnmatch.fnmatchcase(r["group"], spec.rpartition("@")[0])
+              and _finite(r.get(acc))} for spec in (spec_a, spec_b)]
+    alone = sorted(sides[0] ^ sides[1], key=str)
+    if alone:
+        lines.append(f"  left out: training seed(s) {', '.join(map(str, alone))}, probed on one "
+                     f"side only")
     if spec_b.rpartition("@")[2].startswith("kl"):
         lines += same_loss_lines(pairs, spec_a, spec_b)
     return lines, [p[:4] for p in pairs]
@@ -680,12 +686,14 @@ def parse_args(argv=None):
     a("--task", help="downstream task (PCFG: A, B, C; HMM: k, e.g. 6; default: the first)")
     a("--method", choices=METHODS, default="linear", help="linear probe (default), fine-tuning "
       "(App. A.4); the linear probe on the language's one-hot words or on a PCFG's exact chart")
-    a("--n-train", type=train.COUNT, default=N_TRAIN, help=f"training examples (default {N_TRAIN})")
-    a("--n-test", type=train.COUNT, default=N_TEST,
+    a("--n-train", type=data.int_flag(1, 10 ** 7), default=N_TRAIN,
+      help=f"training examples (default {N_TRAIN})")
+    a("--n-test", type=data.int_flag(1, 10 ** 7), default=N_TEST,
       help=f"held-out test examples (default {N_TEST})")
-    a("--seeds", type=train.COUNT, default=N_SEEDS, help=f"probe seeds 0..N-1 (default {N_SEEDS})")
+    a("--seeds", type=data.int_flag(1, 1000), default=N_SEEDS,
+      help=f"probe seeds 0..N-1 (default {N_SEEDS})")
     a("--no-projection", action="store_true", help="no 512-d projection (as the authors' code)")
-    a("--epochs", type=train.COUNT,
+    a("--epochs", type=data.int_flag(1, 10 ** 6),
       help=f"default {LINEAR_EPOCHS} (linear), {FT_EPOCHS} (fine-tuning)")
     a("--device", type=train.device_flag, default="cpu", help="cpu (default) or cuda")
     data.threads_flag(p)
@@ -695,9 +703,7 @@ def parse_args(argv=None):
         bad.append("--plot needs matplotlib, which is not installed: pip install matplotlib")
     if not args.summary and (args.compare or args.plot):
         bad.append("--compare and --plot go with --summary RUN_DIR ...")
-    bad += [] if args.summary else train.missing_checkpoints(args.paths) + [
-        m for folder in sorted({os.path.dirname(c) for c in args.paths})
-        for m in [data.unwritable(os.path.join(folder, "probe.jsonl"), "the output")] if m]
+    bad += [] if args.summary else train.missing_checkpoints(args.paths, "probe.jsonl")
     if bad:
         p.error("; ".join(bad))
     return args

@@ -36,6 +36,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -1131,7 +1132,7 @@ def test_data_cli_writes_reloadable_dataset(tmp_path, capsys):
     (["pcfg", "--out", "{tmp}/bad.txt/a.pt"],
      "--out {tmp}/bad.txt/a.pt cannot be created: {tmp}/bad.txt is a file"),
     (["pcfg", "--out", "{tmp}"], "--out {tmp} is a folder; it must be a file"),
-    (["pcfg", "--n", "0"], "argument --n: must be >= 1 (got 0)"),
+    (["pcfg", "--n", "0"], "argument --n: must be in 1..100000000 (got 0)"),
     (["hmm", "--seed", "-1"], "argument --seed: must be in 0..4294967295 (got -1)"),
     (["hmm", "--seed", "1.5"], "argument --seed: expected an integer, got '1.5'"),
 ])
@@ -3377,14 +3378,14 @@ def _hessian_cli_settings(*argv):
     return (a.sentences, a.samples, a.repeats, a.hvp_sentences)
 
 
-def test_hessian_cli_defaults_and_the_paper_flag(tmp_path):
+def test_hessian_cli_defaults_and_bounds(tmp_path):
     path = str(_hessian_checkpoint(tmp_path))
     assert _hessian_cli_settings(path) == (300, 10, 5, 100)
     assert hessian.parse_args([path]).device == "cpu"
     assert _hessian_cli_settings(path, "--sentences", "40")[:2] == (40, 10)
-    assert _hessian_cli_settings(path, "--paper") == (10_000, 50, 5, 1000)
-    assert _hessian_cli_settings(path, "--paper", "--samples", "7", "--hvp-sentences", "3") \
-        == (10_000, 7, 5, 3)                                   # explicit flags win over --paper
+    for flag, big in (("--samples", "1e18"), ("--sentences", str(10 ** 7))):
+        with pytest.raises(SystemExit):                        # a bounded size: a usage error
+            hessian.parse_args([path, flag, big])
 
 
 def test_hessian_cli_refuses_cuda_on_a_machine_without_it(tmp_path, capsys):
@@ -4692,16 +4693,16 @@ def test_dyck_check_args_rejects_outside_the_theorem(T, m, n):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--T", "-6"], "--T must be even and >= 6"),
-    (["--T", "7"], "--T must be even and >= 6"),
-    (["--T", "4", "--m", "8"], "--T must be even and >= 6"),
+    (["--T", "-6"], "--T must be even and in 6..1000"),
+    (["--T", "7"], "--T must be even and in 6..1000"),
+    (["--T", "4", "--m", "8"], "--T must be even and in 6..1000"),
     (["--T", "12"], "--m must be given at T=12"),
-    (["--m", "1"], "--m must be >= 2"),
-    (["--m", "-3"], "--m must be >= 2"),
-    (["--n", "0"], "--n must be >= 1"),
-    (["--n", "-2"], "--n must be >= 1"),
+    (["--m", "1"], "--m must be in 2..1048576"),
+    (["--m", "-3"], "--m must be in 2..1048576"),
+    (["--n", "0"], "--n must be in 1..1000000"),
+    (["--n", "-2"], "--n must be in 1..1000000"),
     (["--seed", "-1"], "--seed must be in 0..4294967295"),
-    (["--threads", "0"], "--threads must be >= 1"),
+    (["--threads", "0"], "--threads must be in 1..1024"),
 ])
 def test_dyck_cli_errors_name_the_flag(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(dyck_theory, "run_checks", lambda *a, **k: pytest.fail("not rejected"))
@@ -5064,8 +5065,8 @@ def test_faults_data_write_whole_and_append_line_under_a_failing_write(tmp_path)
             return super().write(bytes(b)[:len(b) // 2])
     real_open = open
     with pytest.MonkeyPatch.context() as m:
-        m.setattr("builtins.open", lambda p, mode="r", *a, **k: Failing(p, "a")
-                  if mode == "ab" else real_open(p, mode, *a, **k))
+        m.setattr("builtins.open", lambda p, mode="r", *a, **k: Failing(p, "a+")
+                  if mode == "ab+" else real_open(p, mode, *a, **k))
         with pytest.raises(OSError):
             data.append_line(str(path), '{"step": 1}')
     assert path.read_text() == "old\n"
@@ -5111,6 +5112,141 @@ def test_faults_ctrl_c_and_sigterm_in_hessian_and_probe(tmp_path, script, sig):
     (probe.main if script == "probe.py" else hessian.main)(ckpts + extra)
     steps = [json.loads(r)["step"] for r in out.read_text().splitlines()]
     assert sorted(steps) == sorted(set(steps)) and len(steps) == len(ckpts)
+
+
+# ----------------------------------------------------------- bad input on the measuring surface
+def test_bad_input_an_append_after_a_cut_last_line_starts_a_fresh_line(tmp_path, capsys):
+    """A rows file whose last line a killed process cut: the next row replaces the half line
+    (it is lost anyway), so the file reads back whole, with the new row."""
+    path = str(tmp_path / "hessian.jsonl")
+    with open(path, "w") as f:
+        f.write('{"step": 1, "trace": 2.0}\n{"step": 2, "tra')
+    data.append_line(path, json.dumps({"step": 3, "trace": 1.0}))
+    assert open(path).read() == '{"step": 1, "trace": 2.0}\n{"step": 3, "trace": 1.0}\n'
+    assert "removed its half-written last line" in capsys.readouterr().err
+    assert [r["step"] for r in data.read_rows(path)] == [1, 3]
+
+
+@pytest.mark.parametrize("content, said", [
+    ('{"step": "16", "trace": 1.0}\n', 'line 1: its step \'16\' is not a whole number'),
+    ('{"step": 1}\n{"step": null}\n', "line 2: its step None is not a whole number"),
+    (bytes(range(256)), "is not a text file of JSON rows"),
+])
+def test_bad_input_rows_of_the_wrong_type_are_one_line_naming_the_file(tmp_path, content, said):
+    """hessian.jsonl / probe.jsonl / metrics.jsonl rows that no script wrote: --summary and
+    --resume end in one line naming the file, and leave it as it was."""
+    run = _probe_run_dir(tmp_path, "r", [1, 2], [1.0, 2.0], [0.5, 0.6])
+    path = os.path.join(run, "hessian.jsonl")
+    with open(path, "wb") as f:
+        f.write(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(SystemExit) as e:
+        probe.main(["--summary", run])
+    assert said in str(e.value.code) and path in str(e.value.code), e.value.code
+    assert "\n" not in str(e.value.code)
+    with open(path, "rb") as f:
+        assert f.read() == (content if isinstance(content, bytes) else content.encode())
+
+
+def test_bad_input_metrics_of_the_wrong_type_stop_a_resume_in_one_line(tmp_path):
+    train.main(_train_args(tmp_path, "--steps", 2, "--schedule", "const", name="a"))
+    metrics = tmp_path / "a" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"step": null, "loss": 1.0}\n')
+    with pytest.raises(SystemExit) as e:
+        train.main(["--runs", str(tmp_path), "--name", "a", "--resume", "--steps", "4"])
+    assert "metrics.jsonl, line" in str(e.value.code) and "\n" not in str(e.value.code)
+
+
+@pytest.mark.parametrize("main, argv, said", [
+    (probe.main, ["CKPT", "--n-test", str(10 ** 19)], "argument --n-test: must be in 1..10000000"),
+    (probe.main, ["CKPT", "--seeds", "5000"], "argument --seeds: must be in 1..1000"),
+    (data.main, ["hmm", "--n", str(10 ** 19), "--out", "OUT"], "argument --n: must be in 1.."),
+    (dyck_theory.main, ["--m", str(10 ** 19)], "--m must be in 2..1048576"),
+    (dyck_theory.main, ["--n", str(10 ** 12)], "--n must be in 1..1000000"),
+    (dyck_theory.main, ["--T", "2000"], "--T must be even and in 6..1000"),
+])
+def test_bad_input_sizes_have_bounds(tmp_path, capsys, main, argv, said):
+    """A size no machine can hold is a usage error of one line, before any work."""
+    ckpt = _probe_lookup_ckpt(tmp_path, _probe_tiny_hmm())
+    argv = [{"CKPT": ckpt, "OUT": str(tmp_path / "a.pt")}.get(a, a) for a in argv]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert said in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "a.pt").exists()
+
+
+def test_bad_input_a_model_too_large_for_the_machine_is_refused_before_building(tmp_path):
+    """--n-layers 65536 on lstm-small (1.6 G parameters): one line naming the sizes to lower,
+    counted without building it, and no run folder."""
+    t0 = time.time()
+    with pytest.raises(SystemExit) as e:
+        train.main(_train_args(tmp_path, "--n-layers", 65536, "--steps", 1, name="big"))
+    assert "1,644," in str(e.value.code) and "lower" in str(e.value.code)
+    assert "--n-layers" in str(e.value.code) and time.time() - t0 < 60
+    assert not (tmp_path / "big").exists()
+
+
+def test_bad_input_a_checkpoint_of_an_earlier_release_is_one_line(tmp_path):
+    """A checkpoint without the arguments this release has (an adversarial run's adv_n1/adv_n2
+    for adv_n, no 'world'): --resume and --branch-from say so in one line."""
+    _train_finished_run(tmp_path)
+    path = str(tmp_path / "a" / "ckpt_0000004.pt")
+    ckpt = torch.load(path, weights_only=True)
+    del ckpt["world"], ckpt["args"]["adv_n"]
+    ckpt["args"].update(adv_n1=8, adv_n2=8)
+    data.save_whole(path, ckpt)
+    for argv in (["--resume", path, "--steps", "6"], ["--branch-from", path, "--decay-steps", "2",
+                                                       "--runs", str(tmp_path)]):
+        with pytest.raises(SystemExit) as e:
+            train.main(argv)
+        assert "written by an earlier release of train.py (no --adv-n, world)" in \
+            str(e.value.code) and "\n" not in str(e.value.code), e.value.code
+
+
+def test_bad_input_a_failed_allocation_is_cut_at_a_word(capsys):
+    """data.command's one line on a failed allocation keeps whole words of torch's message."""
+    message = ("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: "
+               "you tried to allocate 1234567890123 bytes.")
+    def body():
+        raise RuntimeError(message)
+    with pytest.raises(SystemExit) as e:
+        data.command("x.py", body, "--n", lambda: "nothing written")
+    said = str(e.value.code)
+    inner = said[said.index("(") + 1:said.index("): lower")]
+    assert inner.endswith(" ...") and message.startswith(inner[:-4]), said
+    assert message[len(inner) - 4] == " "                    # cut before a word, not inside one
+
+
+def test_bad_input_compare_says_which_seeds_were_left_out(tmp_path):
+    """A training seed probed on one side of a comparison only: named, not silently dropped."""
+    runs, _ = _probe_toy_chain(tmp_path)
+    runs = [r for r in runs if not r.endswith("br-from1000-s2")]
+    _, table = probe.summary_table(runs)
+    lines, _ = probe.compare(table, "linear_C", "br-from1000@last", "run@kl")
+    assert "  left out: training seed(s) 2, probed on one side only" in lines
+    assert "mean over 2 seeds" in "\n".join(lines)
+
+
+@pytest.mark.parametrize("env, argv, said", [
+    ({}, ["report", "abc"], "SEED must be a whole number, not 'abc'"),
+    ({}, ["report", "99"], "seed 99 has no run"),
+    ({}, ["measure", "99"], "seed 99 has no run"),
+    ({"RUNS": "/nonexistent"}, ["report", "0"], "RUNS=/nonexistent is not a folder"),
+    ({"RUNS": "/nonexistent"}, ["refine", "0"], "RUNS=/nonexistent is not a folder"),
+    ({"AGAINST": "bogus"}, ["report", "0"], "AGAINST must be later or larger, not bogus"),
+    ({}, ["bogus", "0"], "WAY must be"),
+])
+def test_bad_input_bench_e1_dose_refuses_in_one_line(tmp_path, env, argv, said):
+    """.bench/e1_dose.sh, the script a reader runs to check a result: a bad argument is one line
+    on stderr and exit 2, before any work and with nothing written."""
+    (tmp_path / "runs").mkdir()
+    env = {"RUNS": str(tmp_path / "runs"), **env}
+    p = subprocess.run(["bash", ".bench/e1_dose.sh", *argv], capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.abspath(__file__)), timeout=60,
+                       env={**os.environ, **env})
+    assert p.returncode == 2 and p.stdout == "", (p.returncode, p.stdout, p.stderr)
+    assert len(p.stderr.strip().splitlines()) == 1 and said in p.stderr, p.stderr
+    assert os.listdir(tmp_path / "runs") == []
 
 
 def test_faults_resume_with_the_same_runs_folder_spelled_two_ways(tmp_path, monkeypatch):

@@ -319,7 +319,7 @@ class ShortHelp(argparse.HelpFormatter):
 # typo is a usage error (an allocation that still fails is one line too: data.command)
 COUNT, NATURAL, SEED = data.int_flag(1), data.int_flag(0), data.int_flag(0, data.SEED_MAX)
 SIZE_CAP = data.int_flag(1, 2 ** 16)
-SIZES = "--batch, --eval-n, --n-layers, --n-heads, --lstm-hidden or --grow-width"
+SIZES = "--batch, --eval-n, --n-layers, --n-heads, --lstm-hidden, --grow-width or --lang's size"
 POSITIVE, NONNEGATIVE = data.float_flag(0, open_lo=True), data.float_flag(0)   # finite numbers
 
 
@@ -475,8 +475,23 @@ def build_model(args, lang):
     if unused:
         raise SystemExit(f"train.py: {flag(unused[0])} does not apply to preset {args.preset!r}, "
                          f"a {cfg.arch}")
+    fits_in_memory(cfg)
     torch.manual_seed(stream_seed(args.seed, "init"))
     return model.build(cfg)
+
+
+def fits_in_memory(cfg):
+    """Refuse, in one line and before any allocation, a network whose weights, gradients and
+    AdamW moments (16 bytes a parameter) exceed this machine's memory."""
+    with torch.device("meta"):          # layers 2.. are alike: two layers give the count
+        one, two = (model.n_params(model.build(dataclasses.replace(cfg, n_layers=k)))
+                    for k in (1, 2))
+    n = one + (cfg.n_layers - 1) * (two - one)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if 16 * n > memory:
+        raise SystemExit(f"train.py: the model would have {n:,} parameters, {16 * n / 2**30:.1f} "
+                         f"GiB with AdamW's state, more than this machine's "
+                         f"{memory / 2**30:.1f} GiB: lower {SIZES}")
 
 
 def grow_model(args):
@@ -486,6 +501,10 @@ def grow_model(args):
         small, source, lang = load_checkpoint(args.grow_from)
         if source["kind"] != "mlm":
             raise ValueError(f"{args.grow_from}: a {source['kind']!r} checkpoint has no network")
+        c = small.config                     # the grown sizes (an arch ignores the other's)
+        fits_in_memory(dataclasses.replace(c, n_heads=c.n_heads * args.grow_width,
+                                           n_layers=c.n_layers + args.grow_layers,
+                                           lstm_hidden=c.lstm_hidden * args.grow_width))
         big = model.grow(small, width=args.grow_width, extra_layers=args.grow_layers,
                          seed=stream_seed(args.seed, "init"), split=args.grow_split)
     except (FileNotFoundError, ValueError) as e:
@@ -537,7 +556,7 @@ def start_state(args, run_dir, lang, cfg, world):
     stored = ckpt.get("model_config")
     if cfg is not None and (stored is None or model.ModelConfig(**stored) != cfg):
         diff.append("its model_config")
-    if ckpt["world"] != world:                 # data and masks are drawn per (step, rank)
+    if ckpt["world"] != world:                 # the adversary draws per (step, rank)
         diff.append(f"its number of processes ({ckpt['world']}, now {world}: "
                     f"use torchrun --nproc_per_node={ckpt['world']})")
     if diff:
@@ -629,7 +648,7 @@ def write_row(run, is_eval, start_step):
     if run.rank == 0:
         if is_eval:
             row.update(evaluate(run.net, run.ev, run.lang.vocab_size, run.device))
-        append_row(run.dir, row)
+        data.append_line(os.path.join(run.dir, "metrics.jsonl"), json.dumps(row))
         eta = (now - run.t_start) / (run.step - start_step) * (args.steps - run.step)
         extra = f" | kl {row['kl']:.4f}" if "kl" in row else ""
         extra += f" | adv_loss {row['adv_loss']:.4f}" if "adv_loss" in row else ""
@@ -641,11 +660,13 @@ def write_row(run, is_eval, start_step):
 
 def write_step_0(run_dir, net, ev, V, device="cpu", **extra):
     """The step-0 metrics row of an untrained model (a lookup table, a grown model)."""
+    print(f"step 0: the exact KL of the untrained model on {len(ev.pos):,} eval rows ...",
+          flush=True)
     t0 = time.time()
     row = {"step": 0, "loss": None, "lr": 0.0, "tokens_per_s": 0.0, "wall": 0.0,
            **evaluate(net, ev, V, device), **extra}
     row["wall"] = time.time() - t0
-    append_row(run_dir, row)
+    data.append_line(os.path.join(run_dir, "metrics.jsonl"), json.dumps(row))
     return row
 
 
@@ -662,11 +683,6 @@ def write_grown(run, source):
     row = write_step_0(run.dir, run.net, run.ev, run.lang.vocab_size, run.device)
     save(run)
     print(f"grew {run.args.grow_from} (step {source['step']}): eval kl {row['kl']:.6f}", flush=True)
-
-
-def append_row(run_dir, row):
-    """One JSON line appended to runs/NAME/metrics.jsonl, whole or not at all."""
-    data.append_line(os.path.join(run_dir, "metrics.jsonl"), json.dumps(row))
 
 
 def already_measured(path, row):
@@ -795,11 +811,14 @@ def lock_run_folder(run_dir):
 _LOCKS = []
 
 
-def missing_checkpoints(paths):
-    """A one-line error naming the paths among `paths` that are not files, or [] if none is."""
+def missing_checkpoints(paths, rows=None):
+    """One-line errors: the paths among `paths` that are not files, and (with `rows`, the file
+    hessian.py or probe.py appends to in each checkpoint's folder) the folders it cannot write."""
     missing = [str(p) for p in paths if not os.path.isfile(p)]
     return [f"no checkpoint file {', '.join(missing)} (train.py writes runs/NAME/ckpt_*.pt)"
-            ] if missing else []
+            ] * bool(missing) + [m for folder in sorted({os.path.dirname(p) for p in paths})
+                                 for m in [rows and data.unwritable(os.path.join(folder, rows),
+                                                                    "the output")] if m]
 
 
 def read_checkpoint(path, device="cpu"):
@@ -869,6 +888,11 @@ def merge_stored(args, given):
         raise SystemExit(f"train.py: --branch-from {path}: a {ckpt['kind']!r} checkpoint has "
                          f"no network to train on")
     stored = dict(ckpt["args"])
+    older = [flag(k) for k in vars(args) if k not in stored] + ["world"] * ("world" not in ckpt)
+    if older:                            # flags this release has and the checkpoint's lacks
+        raise SystemExit(f"train.py: {what} {path}: written by an earlier release of train.py "
+                         f"(no {', '.join(older[:3])}), which this one cannot continue; start a "
+                         f"new run")
     may_change = set(RUNTIME_ARGS) | {"steps", "name"}
     if args.branch_from is not None:
         may_change |= {"decay_steps", "eval_every", "log_every", "ckpt_every", "runs"}

@@ -5,8 +5,8 @@
 
 1. Per-sample gradient norms ‖∇_θ log p_θ(ỹ|x_-t)‖²: hessian.sq_grad_norms vs a plain Python
    loop of autograd backward passes (nn.LSTM as model.py builds it) on the same model and the
-   same (sentence, ỹ) pairs; median of --reps.  For the LSTM also the torch.func vmap route over
-   FunctionalLSTM, which sq_grad_norms does not take there (the layerwise route is faster).
+   same (sentence, ỹ) pairs (the LSTM's through torch.func's vmap over FunctionalLSTM); median
+   of --reps.
 2. trace_hessian end to end: (sentences × samples × repeats) per second, for a transformer
    (tf-2m) and an LSTM (lstm-small) on the hmm-small language (V=50, T=16).
 3. At equal wall time, the relative standard error of the Fisher estimator (trace_hessian) vs
@@ -100,17 +100,9 @@ def main():
         t_vmap, ours = timed(lambda: hessian.sq_grad_norms(net, x, t, y), args.reps)
         t_loop, ref = timed(lambda: loop_sq_norms(net, x, t, y), args.reps)
         err = ((ours - ref).abs() / ref).max().item()
-        fnet = hessian.vmappable(net)
-        route = "layerwise" if hessian._layerwise_ok(fnet) else "vmap"
-        print(f"  {preset:9s} ({model.n_params(net):,} params): sq_grad_norms ({route}) "
+        print(f"  {preset:9s} ({model.n_params(net):,} params): sq_grad_norms "
               f"{args.pairs / t_vmap:6.0f} pairs/s, loop {args.pairs / t_loop:5.0f} pairs/s, "
               f"speed-up {t_loop / t_vmap:4.1f}x (max rel diff {err:.1e})")
-        if route == "layerwise":
-            with hessian.measuring(fnet):
-                t_v, _ = timed(lambda: hessian._vmap_sq_norms(fnet, net)(x, t, y), args.reps)
-            print(f"  {preset:9s} vmap over FunctionalLSTM instead: "
-                  f"{args.pairs / t_v:6.0f} pairs/s, "
-                  f"speed-up {t_loop / t_v:4.1f}x")
 
     n = args.sentences
     print(f"\n2. trace_hessian end to end: {n} sentences × 10 samples × 5 repeats")

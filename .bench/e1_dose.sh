@@ -54,10 +54,33 @@ case $SIZE in                               # the model's flags; tf-deep's embed
   L8H2) WIDER="--n-layers 8" GROW="--grow-width 1 --grow-layers 4" ;;
   *) echo "e1_dose.sh: SIZE must be L4H4 or L8H2, not $SIZE" >&2; exit 2 ;;
 esac
+case $AGAINST in later|larger) ;; *)
+  echo "e1_dose.sh: AGAINST must be later or larger, not $AGAINST" >&2; exit 2 ;;
+esac
+case $LATE in ''|*[!0-9]*) echo "e1_dose.sh: LATE must be a whole number, not $LATE" >&2; exit 2 ;;
+esac
+for x in "${@:2}"; do                       # every SEED, before any work
+  case $x in ''|*[!0-9]*) echo "e1_dose.sh: SEED must be a whole number, not '$x'" >&2; exit 2 ;;
+  esac
+done
+case $way in refine|measure|report)
+  [ -d "$R" ] || { echo "e1_dose.sh: RUNS=$R is not a folder (construct writes the runs)" >&2
+                   exit 2; } ;;
+esac
 [ "$way" = larger ] && LATE=3               # the floor only
 RUN=dose-${SIZE:+$SIZE-}s$s                 # the constant run; its branches dose-SIZEbK-sSEED
 ARUN=${SIZE}b3 BRUN=${SIZE}b$LATE PAPER=1.6 # A's and B's runs (dose-.-sSEED); the paper's effect
 [ "$AGAINST" = larger ] && ARUN=b3 BRUN=${SIZE}b3 PAPER=6.9
+constructed() {  # SEED: both runs of the pair exist, or a one-line error naming them
+  local r
+  for r in "dose-$ARUN-s$1" "dose-$BRUN-s$1"; do
+    [ -f "$R/$r/metrics.jsonl" ] || { echo "e1_dose.sh: seed $1 has no run $R/$r (run"\
+      "construct $1, or larger $1, first)" >&2; exit 2; }
+  done
+}
+case $way in refine|measure) constructed "$s" ;; report) for x in "${@:2}"; do constructed "$x"
+  done ;;
+esac
 MODEL="--lang pcfg-deep --preset tf-deep --batch 512 --precision fp32 --runs $R"
 ckpt() { printf "%s/%s/ckpt_%07d.pt" "$R" "$1" "$2"; }
 train_to() {  # RUN STEPS LR EVAL_EVERY [SIZE]: a constant run to STEPS, resumed if it exists
