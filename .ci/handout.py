@@ -37,10 +37,15 @@ in a subprocess).
 import argparse
 import ast
 import contextlib
+import hashlib
+import hmac
 import io
 import json
 import os
 import re
+import resource
+import secrets
+import select
 import shlex
 import shutil
 import signal
@@ -48,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,6 +67,7 @@ COPIED = SCRIPTS + ("test_all.py", "README.md", "requirements.txt", ".ci/handout
 BEGIN = re.compile(r"^(\s*)# BEGIN EXERCISE (\S+)(?: requires((?: \S+)+))?\s*$")
 END = re.compile(r"^(\s*)# END EXERCISE (\S+)\s*$")
 NAME = re.compile(r"^[A-Za-z0-9_]+$")
+WRITTEN_BY = "written by .ci/handout.py"   # in its zips and results files: what it may replace
 SECTION = re.compile(r"(§\s?[\d.]+|App\. [A-Z][\d.]*|(?:Thm|Theorem|Lemma|Eq\.|Sec\.) [\dA-Z.]+)")
 
 
@@ -73,7 +80,7 @@ def find_exercises(root=ROOT):
     the markers of the six scripts in `root`."""
     found = {}
     for script in SCRIPTS:
-        with open(os.path.join(root, script), encoding="utf-8") as f:
+        with open(os.path.join(root, script), encoding="utf-8-sig") as f:
             add_exercises(found, script, f.read())
     for name, ex in found.items():
         for other in found:
@@ -155,103 +162,117 @@ def blanked_source(text, exercises, file, names):
     return "\n".join(lines)
 
 
-def write_handout(out, names, root=ROOT, exercises=None):
-    """Copy the project's files to `out` with the exercises `names` blanked."""
+def handout_files(names, root=ROOT, exercises=None):
+    """{path in the copy: its bytes} of the student copy of the project in `root` with the
+    exercises `names` blanked; a HandoutError naming a file that cannot be read."""
     exercises = exercises if exercises is not None else find_exercises(root)
     unknown = [n for n in names if n not in exercises]
     if unknown:
         raise HandoutError(f"unknown exercise {unknown[0]!r} (python .ci/handout.py --list)")
+    files = {}
+    for file in COPIED:
+        src = os.path.join(root, file)
+        if file not in SCRIPTS and not os.path.exists(src):
+            continue
+        try:
+            with open(src, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise HandoutError(f"could not read {src}: {e.strerror or e}") from None
+        if file in SCRIPTS:
+            text = data.decode("utf-8-sig")
+            data = blanked_source(text, exercises, file, set(names)).encode("utf-8")
+        files[file] = data
+    return files
+
+
+def write_handout(out, names, root=ROOT, exercises=None):
+    """Copy the project's files to `out` with the exercises `names` blanked, each file whole
+    (written beside, then renamed); when a file cannot be written, what was written is removed
+    again and the HandoutError names that file."""
     if not out.strip():
         raise HandoutError("give a folder name for the student copy (got an empty one)")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise HandoutError(f"{out} exists and is not an empty folder: give a new one")
+    files = handout_files(names, root, exercises)
     parent = os.path.abspath(out)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         raise HandoutError(f"{out} cannot be created: {parent} is "
                            f"{'not writable' if os.path.isdir(parent) else 'a file'}")
+    made = not os.path.exists(out)
     try:
         os.makedirs(out, exist_ok=True)
-        for file in COPIED:
-            src = os.path.join(root, file)
-            if file in SCRIPTS:
-                with open(src, encoding="utf-8") as f:
-                    text = blanked_source(f.read(), exercises, file, set(names))
-                with open(os.path.join(out, file), "w", encoding="utf-8") as f:
-                    f.write(text)
-            elif os.path.exists(src):
-                os.makedirs(os.path.dirname(os.path.join(out, file)), exist_ok=True)
-                shutil.copy(src, os.path.join(out, file))
-    except OSError as e:
-        raise HandoutError(f"could not write {e.filename or out}: {e.strerror or e}") from None
+        for file, data in files.items():
+            write_file(os.path.join(out, file), data)
+    except BaseException:
+        if made:
+            shutil.rmtree(out, ignore_errors=True)
+        else:                                   # it was an empty folder: empty again
+            for name in os.listdir(out):
+                path = os.path.join(out, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        raise
 
 
-# The pytest plugin run_pytest loads. It writes {test name: [exercise, ...]} (the @exercise
-# tags) to $EXERCISE_TAGS once the tests are collected, and a JSON line per test report to
-# $EXERCISE_RESULTS as they run, so that a run stopped midway still says which tests passed.
-# It holds the tests of each exercise, together, to $EXERCISE_TIME_LIMIT seconds (a test of no
-# exercise: alone), so that a loop that never ends costs its exercise and no other.
+# The pytest plugin that run_pytest loads in the process that runs the tests. Before test_all.py
+# (and so the student's code) is imported it takes the pipe it reports on and a key, read from a
+# second pipe and then closed, and signs each line it sends with it: a line written on that pipe
+# by anything else is dropped by run_pytest. It sends the tests collected (their exercises and
+# the first line of their docstrings), then each test's start, reports and end, and deselects
+# the tests that a run stopped earlier has already graded. run_pytest keeps the clock.
 PLUGIN = r'''
-import json, os, signal, time
+import hashlib, hmac, json, os
 import pytest
 
-LIMIT = float(os.environ["EXERCISE_TIME_LIMIT"])
-spent = {}                                  # exercise: seconds its tests have taken so far
-names = {}                                  # node id: test name
+_fd = int(os.environ.pop("GRADER_REPORT_FD"))
+_key_fd = int(os.environ.pop("GRADER_KEY_FD"))
+_key = os.read(_key_fd, 64)
+os.close(_key_fd)
+_skip = json.loads(os.environ.pop("GRADER_SKIP", "[]"))
+_skip_exercises = set(json.loads(os.environ.pop("GRADER_SKIP_EXERCISES", "[]")))
+_names = {}
 
 
-class GraderTimeout(BaseException):
-    """Not an Exception, so that a student's `except Exception` cannot swallow it."""
+def _send(**row):
+    data = json.dumps(row, sort_keys=True)
+    line = hmac.new(_key, data.encode(), hashlib.sha256).hexdigest() + " " + data + "\n"
+    line = line.encode()
+    while line:
+        line = line[os.write(_fd, line):]
 
 
-def log(**row):
-    with open(os.environ["EXERCISE_RESULTS"], "a") as f:
-        f.write(json.dumps(row) + "\n")
+def _exercises(item):
+    function = getattr(item, "function", None) or object
+    return sorted(k[3:] for k in vars(function) if k.startswith("ex_"))
 
 
-def pytest_collection_modifyitems(items):
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    kept, dropped = [], []
     for item in items:
-        function = getattr(item, "function", None) or object
-        item.exercises = sorted(k[3:] for k in vars(function) if k.startswith("ex_"))
-        names[item.nodeid] = item.name
-    with open(os.environ["EXERCISE_TAGS"], "w") as f:
-        json.dump({item.name: item.exercises for item in items}, f)
+        gone = item.name in _skip or set(_exercises(item)) & _skip_exercises
+        (dropped if gone else kept).append(item)
+    if dropped:
+        items[:] = kept
+        config.hook.pytest_deselected(items=dropped)
+    tests = {}
+    for item in items:
+        _names[item.nodeid] = item.name
+        doc = (getattr(getattr(item, "function", None), "__doc__", None) or "").strip()
+        tests[item.name] = [_exercises(item), " ".join(doc.split("\n\n")[0].split())[:300]]
+    _send(kind="collected", tests=tests)
 
 
 def pytest_collectreport(report):
     if report.failed:                       # test_all.py could not import a script, say
-        log(test=report.nodeid or "(collection)", outcome="error", message=report.longreprtext)
+        _send(kind="report", test=report.nodeid or "(collection)", outcome="error",
+              message=report.longreprtext[-3000:])
 
 
-def time_left(item):
-    return min([LIMIT - spent.get(e, 0) for e in item.exercises] or [LIMIT])
-
-
-def tests_of(item):
-    return f"the tests of {', '.join(item.exercises)}" if item.exercises else "the test"
-
-
-def pytest_runtest_setup(item):
-    if time_left(item) <= 0:
-        pytest.fail(f"not run: {tests_of(item)} used up the grader's time limit of {LIMIT:g} s")
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    def expire(signum, frame):
-        raise GraderTimeout(f"{tests_of(item)} ran past the grader's time limit of {LIMIT:g} s "
-                            f"(a loop that never ends?)")
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, time_left(item), 1)    # again each second, if caught
-    start = time.monotonic()
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-        for e in item.exercises:
-            spent[e] = spent.get(e, 0) + time.monotonic() - start
+def pytest_runtest_logstart(nodeid, location):
+    _send(kind="start", test=_names.get(nodeid, nodeid))
 
 
 def pytest_runtest_logreport(report):
@@ -259,63 +280,258 @@ def pytest_runtest_logreport(report):
         outcome = ("skipped" if report.skipped else "passed" if report.passed else
                    "failure" if report.when == "call" else "error")
         crash = getattr(report.longrepr, "reprcrash", None)
-        log(test=names.get(report.nodeid, report.nodeid), outcome=outcome,
-            message=(crash.message + "\n" if crash else "") + report.longreprtext)
+        text = report.longreprtext if not report.passed else ""
+        _send(kind="report", test=_names.get(report.nodeid, report.nodeid), outcome=outcome,
+              crash=crash.message[:1500] if crash else "", message=text[-1500:])
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _send(kind="finish", test=_names.get(nodeid, nodeid))
 '''
 TIME_LIMIT = 120      # seconds per exercise when grading; the slowest one's tests take about 4
 GRADESCOPE_LIMIT = 600   # seconds Gradescope gives one run of run_autograder unless told more
-STARTUP = 120         # of those, kept for what is not a test: starting Python, importing torch and
-#                       the tests, writing the results, at Gradescope's default half a CPU
+STARTUP = 150         # of those, kept for what is not a test: starting Python, importing torch and
+#                       the tests (again after a run is stopped), writing the results
+IMPORT_LIMIT = 60     # seconds to import the six scripts, in the check before the tests
 VISIBILITY = "visible"   # each exercise's score and output: shown to the student on submission
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+STUDENT = "handout-student"   # the user the autograder runs the student's code as (setup.sh)
+MAX_PROCESSES = 512   # threads included, for that user: torch's and the tests'
 
 
-def run_pytest(folder, args, tags=False, limit=TIME_LIMIT, timeout=None):
-    """({test name: (outcome, message)}, exit code, the output's tail, and with tags=True
-    {test name: its exercises}) of `pytest test_all.py ARGS` run in `folder`, one thread.
-    outcome: passed, failure, error (in its setup or teardown; or the collection's) or skipped.
-    `limit`: the seconds an exercise's tests may take together; at `timeout` seconds (default:
-    20 limits and 10 minutes) pytest is stopped: exit code None, the results of the tests that
-    finished."""
+class Runner:
+    """How run_pytest starts the processes that run the student's code: as `user` (a name; None:
+    as this process's user), with `python`, and cleans up after them: their process group, and
+    every process of that user when it is another one."""
+
+    def __init__(self, user=None, python=sys.executable):
+        self.python, self.user = python, user
+        self.uid = self.gid = None
+        if user is not None:
+            import pwd
+            try:
+                entry = pwd.getpwnam(user)
+            except KeyError:
+                raise HandoutError(f"there is no user {user}: run setup.sh first (it makes the "
+                                   f"user the student's code runs as)") from None
+            self.uid, self.gid, self.home = entry.pw_uid, entry.pw_gid, entry.pw_dir
+            if self.uid == 0:
+                raise HandoutError(f"user {user} is root: the student's code must run as "
+                                   f"another user")
+
+    def workspace(self, parent):
+        """A new folder in `parent` that the process writes its temporary files in."""
+        path = tempfile.mkdtemp(dir=parent, prefix="home-")
+        if self.uid is not None:
+            os.chown(path, self.uid, self.gid)
+        return path
+
+    def start(self, argv, cwd, home, fds, extra_env):
+        """Popen of `argv`, in a session of its own, with a short environment."""
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": home, "TMPDIR": home,
+               "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1",
+               "PYTHONNOUSERSITE": "1", "MPLBACKEND": "Agg", **extra_env}
+        options = {}
+        if self.uid is not None:
+            options = dict(user=self.uid, group=self.gid, extra_groups=[])
+
+        def limits():
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            if self.uid is not None:
+                resource.setrlimit(resource.RLIMIT_NPROC, (MAX_PROCESSES, MAX_PROCESSES))
+        with open(os.path.join(home, "..", os.path.basename(home) + ".out"), "wb") as out:
+            return subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=subprocess.STDOUT, pass_fds=fds,
+                                    start_new_session=True, preexec_fn=limits, **options)
+
+    def stop(self, proc):
+        """Kill `proc`'s process group, then each process left of the user (a process that left
+        the group), until none is left; then reap `proc`."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if self.uid is not None:
+            for _ in range(100):
+                left = self.processes()
+                if not left:
+                    break
+                for pid in left:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+                time.sleep(0.02)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+    def processes(self):
+        """The ids of the processes whose real or effective user is the student's (not those
+        dead and waiting to be reaped)."""
+        found = []
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    with open(f"/proc/{pid}/status") as f:
+                        status = f.read()
+                except OSError:
+                    continue
+                uids = re.search(r"^Uid:\s+(\d+)\s+(\d+)", status, re.M)
+                zombie = re.search(r"^State:\s+Z", status, re.M)
+                if uids and self.uid in map(int, uids.groups()) and not zombie:
+                    found.append(int(pid))
+        return found
+
+
+def _tail(path, n=2000):
+    """The last `n` characters of the text file `path` ('' if none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 4 * n))
+            return f.read().decode("utf-8", "replace")[-n:]
+    except OSError:
+        return ""
+
+
+def run_child(runner, folder, args, work, limit, deadline, spent, known, skip, skip_exercises):
+    """Run `pytest test_all.py ARGS` once in `folder` as the runner says, and follow its
+    signed reports: (how it ended, the test it was in, its exit code, its output's tail), with
+    the reports added to `known` ({"tests": ..., "results": ...}) and the seconds the tests took
+    to `spent` ({exercise: seconds}). It ends "done", "crashed" (exited during a test),
+    "time" (a test's exercises used up `limit` seconds: it is stopped) or "deadline" (the clock
+    reached `deadline`: stopped)."""
+    home = runner.workspace(work)
+    key = secrets.token_bytes(32)
+    report_r, report_w = os.pipe()
+    key_r, key_w = os.pipe()
+    os.write(key_w, key)
+    os.close(key_w)
+    env = {"PYTHONPATH": os.path.join(work, "plugin"), "GRADER_REPORT_FD": str(report_w),
+           "GRADER_KEY_FD": str(key_r), "GRADER_SKIP": json.dumps(sorted(skip)),
+           "GRADER_SKIP_EXERCISES": json.dumps(sorted(skip_exercises))}
+    # --tb=native: pytest's own tracebacks parse test_all.py again for each failing test, half
+    # a second each, half a minute for a blank copy
+    argv = [runner.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=native",
+            "-p", "grading_plugin", "test_all.py", *args]
+    try:
+        proc = runner.start(argv, folder, home, (report_w, key_r), env)
+    finally:
+        os.close(report_w)
+        os.close(key_r)
+    os.set_blocking(report_r, False)
+    buffer, current, started, ended, exited = b"", None, 0.0, None, None
+    try:
+        while ended is None:
+            now = time.monotonic()
+            stop = deadline
+            if current is not None:
+                left = min([limit - spent.get(e, 0) for e in known["tests"].get(current, [[]])[0]]
+                           or [limit])
+                stop = min(stop, started + left)
+            if now >= stop:
+                ended = "deadline" if now >= deadline else "time"
+                break
+            ready = select.select([report_r], [], [], min(0.5, stop - now))[0]
+            chunk = b""
+            if ready:
+                with contextlib.suppress(BlockingIOError):
+                    chunk = os.read(report_r, 1 << 16)
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                row = _verified(key, line)
+                if row is None:
+                    continue
+                if row.get("kind") == "collected":
+                    known["tests"].update(row["tests"])
+                elif row.get("kind") == "start":
+                    current, started = row["test"], time.monotonic()
+                elif row.get("kind") == "finish" and row["test"] == current:
+                    for e in known["tests"].get(current, [[]])[0]:
+                        spent[e] = spent.get(e, 0) + time.monotonic() - started
+                    current = None
+                elif row.get("kind") == "report":
+                    faults = known["results"]
+                    if faults.get(row["test"], ("passed",))[0] == "passed":   # its first fault
+                        faults[row["test"]] = (row["outcome"], row.get("crash", ""),
+                                               row.get("message", ""))
+            if proc.poll() is not None:         # what it sent before it ended, then no more
+                exited = exited or time.monotonic()
+                if not chunk or time.monotonic() > exited + 1:
+                    ended = "crashed" if current is not None else "done"
+    finally:
+        runner.stop(proc)
+        os.close(report_r)
+    if current is not None and ended == "time":
+        for e in known["tests"].get(current, [[]])[0]:
+            spent[e] = limit
+    return ended, current, proc.returncode, _tail(home + ".out")
+
+
+def _verified(key, line):
+    """The row a signed line holds, or None for a line that is not the plugin's."""
+    mac, _, data = line.partition(b" ")
+    if not hmac.compare_digest(mac, hmac.new(key, data, hashlib.sha256).hexdigest().encode()):
+        return None
+    try:
+        row = json.loads(data)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
+def run_tests(folder, args, limit=TIME_LIMIT, timeout=None, runner=None):
+    """Run `pytest test_all.py ARGS` in `folder`, each exercise's tests held together to `limit`
+    seconds and all to `timeout` (default: 20 limits and 10 minutes): a dict of
+    tests ({test name: [its exercises, its docstring's first line]}), results ({test name:
+    (outcome, crash message, traceback)}; outcome passed, failure, error (in its setup or
+    teardown; or the collection's) or skipped), code (pytest's exit code; None if stopped at
+    `timeout`) and out (the output's tail). A test whose exercises run out of time, or during
+    which the process ends, fails saying so, and pytest runs again for the tests left, so that
+    it costs its exercise (or itself) only. `runner`: a Runner (default: as this user)."""
+    runner = runner or Runner()
     timeout = 20 * limit + 600 if timeout is None else timeout
-    with tempfile.TemporaryDirectory() as tmp:
-        log = os.path.join(tmp, "results.jsonl")
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1",
-                   PYTHONPATH=tmp, EXERCISE_TAGS=os.path.join(tmp, "tags.json"),
-                   EXERCISE_RESULTS=log, EXERCISE_TIME_LIMIT=str(limit))
-        with open(os.path.join(tmp, "grading_plugin.py"), "w") as f:
+    deadline = time.monotonic() + timeout
+    known, spent, out_of_time = {"tests": {}, "results": {}}, {}, set()
+    with tempfile.TemporaryDirectory(prefix="grading-") as work:
+        os.chmod(work, 0o755)
+        os.makedirs(os.path.join(work, "plugin"))
+        with open(os.path.join(work, "plugin", "grading_plugin.py"), "w") as f:
             f.write(PLUGIN)
-        # --tb=native: pytest's own tracebacks parse test_all.py again for each failing test,
-        # half a second each, half a minute for a blank copy. A session of its own: stopping
-        # pytest stops the processes its tests started too.
-        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                 "--tb=native", "-p", "grading_plugin", "test_all.py", *args],
-                                cwd=folder, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            out = proc.communicate(timeout=timeout)[0]
-        except subprocess.TimeoutExpired:
-            out = None
-        finally:                            # after the timeout or Ctrl-C, and any test's leftovers
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        code = None if out is None else proc.returncode
-        out = proc.communicate()[0] if out is None else out
-        results = {}
-        if os.path.exists(log):
-            with open(log) as f:
-                for line in f:
-                    try:
-                        row = json.loads(line)
-                    except ValueError:      # the last line of a run stopped while writing it
-                        continue
-                    if results.get(row["test"], ("passed",))[0] == "passed":   # its first fault
-                        results[row["test"]] = (row["outcome"], row["message"])
-        found = {}
-        if tags and os.path.exists(env["EXERCISE_TAGS"]):
-            with open(env["EXERCISE_TAGS"]) as f:
-                found = json.load(f)
-    return results, code, out[-2000:], found
+        os.chmod(os.path.join(work, "plugin"), 0o755)
+        os.chmod(os.path.join(work, "plugin", "grading_plugin.py"), 0o644)
+        while True:
+            ended, current, code, out = run_child(runner, folder, args, work, limit, deadline,
+                                                  spent, known, set(known["results"]),
+                                                  out_of_time)
+            results = known["results"]
+            if ended == "deadline":
+                code = None
+                break
+            if ended == "time":
+                of = known["tests"].get(current, [[]])[0]
+                out_of_time |= set(of)
+                what = f"the tests of {', '.join(of)}" if of else "the test"
+                results[current] = ("failure", f"{what} ran past the grader's time limit of "
+                                    f"{limit:g} s (a loop that never ends?)", "")
+                for test, (exercises, _) in known["tests"].items():
+                    if test not in results and set(exercises) & out_of_time:
+                        results[test] = ("failure", f"not run: {what} used up the grader's "
+                                         f"time limit of {limit:g} s", "")
+            elif ended == "crashed":
+                results.setdefault(current, ("error", f"the test process ended during this "
+                                             f"test (exit code {code})", ""))
+            else:
+                break
+            if all(test in results for test in known["tests"]):
+                break
+    return dict(known, code=code, out=out)
+
+
+def run_pytest(folder, args, tags=False, limit=TIME_LIMIT, timeout=None, runner=None):
+    """({test name: (outcome, message)}, exit code, the output's tail, and with tags=True
+    {test name: its exercises}) of run_tests(folder, args, limit, timeout, runner)."""
+    run = run_tests(folder, args, limit, timeout, runner)
+    results = {test: (outcome, f"{crash}\n{message}")
+               for test, (outcome, crash, message) in run["results"].items()}
+    found = {test: exercises for test, (exercises, _) in run["tests"].items()} if tags else {}
+    return results, run["code"], run["out"], found
 
 
 def in_order(exercises, names):
@@ -324,62 +540,105 @@ def in_order(exercises, names):
                                         exercises[n]["begin"]))
 
 
-def grade(folder, names, limit=TIME_LIMIT, timeout=None, replaced=None):
+def grade(folder, names, exercises=None, limit=TIME_LIMIT, timeout=None, replaced=None,
+          runner=None):
     """[(exercise, "blank" | "passed" | "failed", tests passed, tests, why)] for the exercises
-    `names` of the copy in `folder`: blank if its region still raises the handout's
-    NotImplementedError, passed if all its tests pass; why (failed): the required exercises
-    left blank, else its first failing test and the first line of its message. `replaced`:
-    {script: what is wrong with the student's} for the scripts graded as handed out
-    (autograde): their exercises fail, saying so. `limit`, `timeout`: run_pytest's."""
+    `names` of the copy in `folder`. `exercises`: find_exercises's dict of the copy as handed
+    out (default: the markers in `folder`). Blank: none of its tests passes and its function
+    still behaves as handed out: each of its tests fails with its NotImplementedError, or the
+    function (found by its name: comments and markers do not count) still raises it. Passed:
+    all its tests pass. Why (failed): the first failing test, its docstring's first line, its
+    assertion's line and message, or the required exercises left blank. `replaced`: {script:
+    what is wrong with the student's} for the scripts graded as handed out (autograde): their
+    exercises fail, saying so, and are not run. `limit`, `timeout`, `runner`: run_tests's."""
     replaced = replaced or {}
-    exercises = find_exercises(folder)
+    exercises = exercises if exercises is not None else find_exercises(folder)
     unknown = [n for n in names if n not in exercises]
     if unknown:
         raise HandoutError(f"unknown exercise {unknown[0]!r} (python .ci/handout.py --list)")
-    names = names or in_order(exercises, exercises)
-    results, code, out, tags = run_pytest(folder, ["-k", " or ".join(f"ex_{n}" for n in names)],
-                                          tags=True, limit=limit, timeout=timeout)
-    if not any(set(of) & set(names) for of in tags.values()):
-        why = nothing_ran(exercises, results, code, out)
-        return [(n, "failed", 0, 0, why) for n in names]
+    names = in_order(exercises, names or exercises)
+    run_names = [n for n in names if exercises[n]["file"] not in replaced]
+    run = {"tests": {}, "results": {}, "code": 0, "out": ""}
+    if run_names:
+        run = run_tests(folder, ["-k", " or ".join(f"ex_{n}" for n in run_names)], limit=limit,
+                        timeout=timeout, runner=runner)
+    results, tests_of = run["results"], run["tests"]
+    if run_names and not any(set(of) & set(run_names) for of, _ in tests_of.values()):
+        why = nothing_ran(exercises, results, run["code"], run["out"])
+        return [(n, "failed", 0, 0, why if n in run_names else
+                 f"{exercises[n]['file']} {replaced[exercises[n]['file']]}: its exercises are "
+                 f"not graded") for n in names]
 
-    def is_blank(name):
+    def raises_blank(name):
+        """Whether the function of exercise `name`, in the graded file, still raises the
+        handout's NotImplementedError (a statement, not a comment)."""
         ex = exercises[name]
-        with open(os.path.join(folder, ex["file"]), encoding="utf-8") as f:
-            region = "".join(f.readlines()[ex["begin"]:ex["end"] - 1])
-        return f"NotImplementedError('exercise {name}:" in region
+        try:
+            with open(os.path.join(folder, ex["file"]), encoding="utf-8-sig") as f:
+                tree = ast.parse(f.read())
+        except (OSError, SyntaxError, ValueError):
+            return False
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and node.name == ex["function"]:
+                for inner in ast.walk(node):
+                    if isinstance(inner, ast.Raise) and isinstance(inner.exc, ast.Call) \
+                            and getattr(inner.exc.func, "id", "") == "NotImplementedError" \
+                            and inner.exc.args and isinstance(inner.exc.args[0], ast.Constant) \
+                            and str(inner.exc.args[0].value).startswith(f"exercise {name}:"):
+                        return True
+        return False
+
+    def blank_named(test):
+        """The exercises whose NotImplementedError made `test` fail."""
+        outcome, crash, message = results.get(test, ("", "", ""))
+        return set(re.findall(r"NotImplementedError: exercise (\w+):", f"{crash}\n{message}"))
 
     def why_failed(name, tests):
-        blank = sorted(n for n in closure(exercises, [name]) - {name} if is_blank(n))
+        failing = [t for t in tests if results.get(t, ("",))[0] != "passed"]
+        blank = sorted(set().union(*(blank_named(t) for t in failing)) - {name})
         ungraded = [n for n in blank if exercises[n]["file"] in replaced]
         if ungraded:
             file = exercises[ungraded[0]]["file"]
             return f"it requires {ungraded[0]}, not graded: {file} {replaced[file]}"
         if blank:
             return f"it requires {', '.join(blank)}, left blank"
-        failing = [t for t in tests if results.get(t, ("",))[0] != "passed"]
         if not failing:
             return "no test ran"
-        if failing[0] not in results:
-            return (f"{failing[0]} did not finish in the grader's time" if code is None else
-                    f"{failing[0]} gave no result: pytest ended early (exit code {code})")
-        message = results[failing[0]][1].strip().splitlines() or ["(no message)"]
-        return f"{failing[0]}: {message[0][:160]}"
+        test = failing[0]
+        doc = tests_of.get(test, [[], ""])[1]
+        head = f"{test}" + (f" (it checks: {doc})" if doc else "")
+        if test not in results:
+            return (f"{head} did not finish in the grader's time" if run["code"] is None else
+                    f"{head} gave no result: pytest ended early (exit code {run['code']})")
+        return f"{head} failed:\n{feedback(*results[test][1:])}"
 
     rows = []
     for name in names:
         file = exercises[name]["file"]
-        tests = [t for t, of in tags.items() if name in of]
+        tests = [t for t, (of, _) in tests_of.items() if name in of]
         passed = sum(results.get(t, ("",))[0] == "passed" for t in tests)
         if file in replaced:
             rows.append((name, "failed", 0, len(tests),
                          f"{file} {replaced[file]}: its exercises are not graded"))
             continue
-        status = ("blank" if is_blank(name) else "passed" if passed == len(tests) and tests
+        blank = not passed and (raises_blank(name) or bool(tests) and all(
+            name in blank_named(t) for t in tests))
+        status = ("blank" if blank else "passed" if passed == len(tests) and tests
                   else "failed")
         rows.append((name, status, passed, len(tests),
                      why_failed(name, tests) if status == "failed" else ""))
     return rows
+
+
+def feedback(crash, message, lines=5):
+    """A failing test's line of test_all.py and the first `lines` lines of its error (with the
+    expected and the actual value where the assertion says them), indented."""
+    frames = re.findall(r'File "[^"]*test_all\.py", line (\d+), in \w+\n\s*(.*)', message)
+    where = [f"test_all.py:{frames[-1][0]}: {frames[-1][1].strip()[:200]}"] if frames else []
+    error = (crash or (message.strip().splitlines() or ["(no message)"])[-1]).strip()
+    shown = [line[:200] for line in error.splitlines()[:lines]]
+    return "\n".join("  " + line for line in where + shown)
 
 
 def nothing_ran(exercises, results, code, out):
@@ -388,7 +647,7 @@ def nothing_ran(exercises, results, code, out):
     broken = syntax_errors(exercises)
     if broken:
         return f"a syntax error, nothing imports: {'; '.join(broken)}"
-    errors = [message for outcome, message in results.values() if outcome == "error"]
+    errors = [message for outcome, crash, message in results.values() if outcome == "error"]
     if errors:                        # a Python traceback: its last frame and its last line
         frames = re.findall(r'File "([^"]+)", line (\d+)', errors[0])
         where = f"{os.path.basename(frames[-1][0])}:{frames[-1][1]}: " if frames else ""
@@ -410,14 +669,21 @@ def results_json(rows, notes=()):
     done = sum(row[1] == "passed" for row in rows)
     return {"score": round(sum(t["score"] for t in tests), 4),
             "output": "\n".join([f"{done} of {len(rows)} exercises pass", *notes]),
-            "tests": tests}
+            "tests": tests, "extra_data": {"written_by": WRITTEN_BY}}
 
 
-def check_writable(path):
+def check_writable(path, mine=None):
     """A HandoutError now, before any work, if the file `path` cannot be written: a folder in
-    its place, or no file can be made where it goes (its folders are made if missing)."""
+    its place, or no file can be made where it goes (its folders are made if missing); with
+    `mine` ("zip" or "results"), also a file there that this tool did not write as such."""
+    if not path.strip():
+        raise HandoutError("give a file name (got an empty one)")
     if os.path.isdir(path):
         raise HandoutError(f"{path} is a folder; it must be a file")
+    if mine and os.path.lexists(path) and not written_here(path, mine):
+        what = "an autograder zip" if mine == "zip" else "a results file"
+        raise HandoutError(f"{path} exists and is not {what} this tool wrote: give a new name, "
+                           f"or delete it first")
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -431,6 +697,23 @@ def check_writable(path):
         os.remove(probe)
     except OSError as e:
         raise HandoutError(f"{path} cannot be written: {e.strerror or e}") from None
+
+
+def written_here(path, kind):
+    """Whether the file `path` is a `kind` ("zip": an autograder; "results": a results file)
+    that this tool wrote: what it may write over."""
+    try:
+        if os.path.islink(path) or not os.path.isfile(path):
+            return False
+        if kind == "zip":
+            with zipfile.ZipFile(path) as z:
+                return z.comment == WRITTEN_BY.encode()
+        with open(path, encoding="utf-8") as f:
+            row = json.load(f)
+        return isinstance(row, dict) and (row.get("extra_data") or {}).get("written_by") \
+            == WRITTEN_BY
+    except (OSError, ValueError, zipfile.BadZipFile, AttributeError):
+        return False
 
 
 def write_file(path, data):
@@ -465,30 +748,126 @@ def copy_to_grade(folder):
     return folder
 
 
+# What a submitted script may use beyond what its handed-out copy uses: the screen refuses the
+# ways out of a function's own work that Python offers a script, so that the student's code
+# cannot reach the test process's machinery (pytest, the grading plugin, the tests' module)
+# through them. It is a screen, not a sandbox (see the top of autograde).
+IMPORTABLE = {"math", "cmath", "itertools", "functools", "collections", "operator", "heapq",
+              "bisect", "dataclasses", "typing", "statistics", "fractions", "decimal", "random",
+              "string", "re", "copy", "numbers", "enum", "abc", "numpy", "torch",
+              *(script[:-3] for script in SCRIPTS)}
+REFUSED_NAMES = {"eval", "exec", "compile", "__import__", "globals", "locals", "vars", "getattr",
+                 "setattr", "delattr", "breakpoint", "__builtins__", "__loader__", "__spec__"}
+REFUSED_ATTRIBUTES = {"_getframe", "settrace", "setprofile", "meta_path", "path_hooks",
+                      "f_back", "f_globals", "f_locals", "f_builtins", "f_code", "tb_frame",
+                      "gi_frame", "cr_frame", "ag_frame", "_exit", "kill", "killpg", "fork",
+                      "forkpty", "setsid", "system", "popen", "execv", "execve", "execvp",
+                      "spawnv", "posix_spawn", "ctypeslib", "cpp_extension", "load_library",
+                      "library", "overrides", "attrgetter", "methodcaller", "sys", "os", "gc",
+                      "inspect", "builtins", "importlib", "ctypes", "subprocess", "pytest",
+                      "_pytest", "test_all"}
+KEPT_DUNDERS = {"__init__", "__name__", "__doc__", "__file__", "__len__", "__call__",
+                "__repr__", "__str__", "__post_init__", "__getitem__", "__iter__", "__next__"}
+
+
+def uses(text):
+    """[(line, what)] for each use in the script `text` that the screen looks at: imports,
+    refused names and attributes, dunder names, assignments to a module's attributes."""
+    tree = ast.parse(text)
+    modules = set()                     # names an import binds
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    copied = set()                      # vars(x) unpacked at once (**vars(x)): a copy, read only
+    for node in ast.walk(tree):
+        splats = ([v for k, v in zip(node.keys, node.values) if k is None]
+                  if isinstance(node, ast.Dict) else
+                  [k.value for k in node.keywords if k.arg is None]
+                  if isinstance(node, ast.Call) else [])
+        copied |= {id(v.func) for v in splats if isinstance(v, ast.Call)}
+    found = []
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Import):
+            found += [(line, f"import {a.name.split('.')[0]}") for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((line, f"import {'.' * node.level}{(node.module or '').split('.')[0]}"))
+        elif isinstance(node, ast.Name):
+            if node.id in REFUSED_NAMES and id(node) not in copied or \
+                    re.fullmatch(r"__\w+__", node.id) and node.id not in KEPT_DUNDERS:
+                found.append((line, node.id))
+        elif isinstance(node, ast.Attribute):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            module = isinstance(root, ast.Name) and root.id in modules
+            if node.attr in REFUSED_ATTRIBUTES or re.fullmatch(r"__\w+__", node.attr) \
+                    and node.attr not in KEPT_DUNDERS or module and node.attr.startswith("_"):
+                found.append((line, f".{node.attr}"))
+            elif node.attr == "modules" and (getattr(node.value, "id", "") == "sys" or
+                                             getattr(node.value, "attr", "") == "sys"):
+                found.append((line, "sys.modules"))
+            if module and isinstance(node.ctx, (ast.Store, ast.Del)):
+                found.append((line, f"{ast.unparse(node)} = (a module's attribute)"))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if re.fullmatch(r"__\w+__", node.name) and node.name not in KEPT_DUNDERS:
+                found.append((line, f"def {node.name}"))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if re.fullmatch(r"__\w+__", node.value) and node.value not in KEPT_DUNDERS:
+                found.append((line, repr(node.value)))
+    return sorted(found)
+
+
+def screen(text, handed_out):
+    """None, or what the script `text` uses that the screen refuses and its handed-out copy's
+    text `handed_out` does not use (words that follow the file's name)."""
+    allowed = {what for _, what in uses(handed_out)}
+    for line, what in uses(text):
+        if what in allowed:
+            continue
+        if what.startswith("import "):
+            module = what.split()[1]
+            if module in IMPORTABLE:
+                continue
+            return (f"imports {module or '.'} (line {line}), which the grader does not have: "
+                    f"only the six scripts are graded, with what they import and a few of "
+                    f"Python's modules (math, itertools, collections, ...); put helper code "
+                    f"in the script itself")
+        return (f"uses {what} (line {line}), which the grader does not run: an exercise needs "
+                f"none of it")
+    return None
+
+
 # ----------------------------------------------------------------- Gradescope's autograder ---
 
 SETUP = """#!/usr/bin/env bash
 # Gradescope runs this once, as root, when it builds the autograder's image (Ubuntu, a Python 3,
-# nothing of the project): the project's requirements. Made by .ci/handout.py --autograder.
+# nothing of the project): a virtual environment of the grader's own, venv/ beside source/,
+# holding the project's requirements at the versions it was tested with, whatever pip the
+# image has or lacks; and the user the student's code runs as. Made by .ci/handout.py
+# --autograder.
 set -euo pipefail
-source="${AUTOGRADER_ROOT:-/autograder}/source"
-if ! python3 -m pip --version >/dev/null 2>&1; then       # an image may come without pip
-    apt-get update -q && apt-get install -y -q python3-pip
+root="${AUTOGRADER_ROOT:-/autograder}"
+if ! python3 -c "import ensurepip, venv" >/dev/null 2>&1; then   # Ubuntu's keeps them apart
+    apt-get update -q && apt-get install -y -q python3-venv
 fi
-# Ubuntu 24.04 keeps pip out of its own Python unless told; this image is the grader's alone
-# (an older pip ignores the variable)
-export PIP_BREAK_SYSTEM_PACKAGES=1
+python3 -m venv "$root/venv"
 # torch first, its CPU build at the version requirements.txt pins: PyPI's default build brings
 # the CUDA libraries, gigabytes a grader without a GPU never uses
-python3 -m pip install --no-cache-dir --index-url TORCH_CPU_INDEX TORCH_REQUIREMENT
-python3 -m pip install --no-cache-dir -r "$source/project/requirements.txt"
+"$root/venv/bin/python" -m pip install --no-cache-dir --index-url TORCH_CPU_INDEX TORCH_REQUIREMENT
+"$root/venv/bin/python" -m pip install --no-cache-dir PINNED
+"$root/venv/bin/python" -m pip install --no-cache-dir -r "$root/source/project/requirements.txt"
+chmod -R a+rX "$root/venv" "$root/source"
+# the student's code runs as this user: it cannot write the results or stop the grader
+id -u STUDENT >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin STUDENT
 """
 
 RUN_AUTOGRADER = '''#!/usr/bin/env python3
 """Gradescope runs this for each submission, in /autograder: it grades the exercises below in
 the student's scripts (submission/) against the project as handed out (source/project/) and
-writes results/results.json. AUTOGRADER_ROOT, when set, stands for /autograder (a test runs
-this in a scratch folder). Made by .ci/handout.py --autograder."""
+writes results/results.json. The student's code runs in other processes, as another user.
+AUTOGRADER_ROOT, when set, stands for /autograder (a test runs this in a scratch folder).
+Made by .ci/handout.py --autograder."""
 import os
 import sys
 
@@ -502,6 +881,7 @@ try:
 except handout.HandoutError as e:
     sys.exit(f"run_autograder: {e}")
 '''
+PINNED = {"numpy": "2.4.6", "pytest": "9.2.0"}   # when this Python has neither: tested with
 
 
 def torch_requirement():
@@ -515,6 +895,18 @@ def torch_requirement():
     return pins[0]
 
 
+def pinned():
+    """numpy and pytest at the versions this Python has (else PINNED's): ["numpy==...", ...]."""
+    import importlib.metadata
+    found = []
+    for name, default in PINNED.items():
+        try:
+            found.append(f"{name}=={importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{name}=={default}")
+    return found
+
+
 def write_autograder(path, names):
     """Write Gradescope's autograder for the exercises `names` (default: all) to the zip
     `path`: setup.sh, run_autograder, and project/, the student copy with these exercises
@@ -524,14 +916,20 @@ def write_autograder(path, names):
     unknown = [n for n in names if n not in exercises]
     if unknown:
         raise HandoutError(f"unknown exercise {unknown[0]!r} (python .ci/handout.py --list)")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise HandoutError(f"exercise {twice[0]} is named twice: name each once")
     names = in_order(exercises, names or exercises)
     setup = (SETUP.replace("TORCH_CPU_INDEX", TORCH_CPU_INDEX)
-             .replace("TORCH_REQUIREMENT", shlex.quote(torch_requirement())))
+             .replace("TORCH_REQUIREMENT", shlex.quote(torch_requirement()))
+             .replace("PINNED", " ".join(map(shlex.quote, pinned())))
+             .replace("STUDENT", STUDENT))
     run = RUN_AUTOGRADER.replace("EXERCISE_NAMES", "[\n" + textwrap.fill(
         ", ".join(map(repr, names)), 96, initial_indent="    ", subsequent_indent="    ") + ",\n]")
-    check_writable(path)
+    check_writable(path, mine="zip")
+    files = handout_files(names, exercises=exercises)
     buffer = io.BytesIO()
-    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(buffer, "w") as z:
+    with zipfile.ZipFile(buffer, "w") as z:
         def add(name, data, mode=0o644):
             # a fixed date: the same project and exercises make the same zip, byte for byte
             info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
@@ -539,21 +937,19 @@ def write_autograder(path, names):
             z.writestr(info, data)
         add("setup.sh", setup, 0o755)
         add("run_autograder", run, 0o755)
-        write_handout(os.path.join(tmp, "project"), names, exercises=exercises)
-        for top, dirs, files in os.walk(tmp):
-            dirs.sort()
-            for file in sorted(files):
-                with open(os.path.join(top, file), "rb") as f:
-                    add(os.path.relpath(os.path.join(top, file), tmp), f.read())
+        for file in sorted(files):
+            add(f"project/{file}", files[file])
+        z.comment = WRITTEN_BY.encode()
     write_file(path, buffer.getvalue())
     return names
 
 
 def take_submitted(submission, script, folder, handed_out):
-    """Copy the student's `script` from `submission` into `folder` if Python can compile it
-    and its exercise markers are those handed out; else leave the handed-out one there and
-    return what is wrong (words that follow the file's name). It is looked for at the top of
-    the submission, else in the folder nearest the top: a student may upload a whole folder."""
+    """Copy the student's `script` from `submission` into `folder` if Python can compile it and
+    the screen passes it (what its handed-out copy, the text `handed_out`, does not use); else
+    leave the handed-out one there and return what is wrong (words that follow the file's
+    name). It is looked for at the top of the submission, else in the folder nearest the top:
+    a student may upload a whole folder. Read as UTF-8, with or without a byte order mark."""
     found = sorted((top.count(os.sep), os.path.join(top, script))
                    for top, _, files in os.walk(submission) if script in files)
     if not found:
@@ -562,51 +958,172 @@ def take_submitted(submission, script, folder, handed_out):
         return (f"was submitted twice ({os.path.relpath(found[0][1], submission)}, "
                 f"{os.path.relpath(found[1][1], submission)})")
     try:
-        with open(found[0][1], encoding="utf-8") as f:
-            text = f.read()
+        fd = os.open(found[0][1], os.O_RDONLY | os.O_NOFOLLOW)
+        with open(fd, "rb") as f:
+            data = f.read()
+        text = data.decode("utf-8-sig")
         compile(text, script, "exec", dont_inherit=True)
-        mine = {}
-        add_exercises(mine, script, text)
+        wrong = screen(text, handed_out)
     except UnicodeDecodeError:
         return "is not UTF-8 text"
     except SyntaxError as e:
         return f"has a syntax error ({f'line {e.lineno}: ' if e.lineno else ''}{e.msg})"
     except ValueError as e:                          # a null byte, before Python 3.11.4
         return f"cannot be compiled ({e})"
-    except HandoutError as e:
-        return f"has broken exercise markers ({e})"
     except OSError as e:
-        return f"cannot be read ({e.strerror or e})"
-    theirs = sorted(n for n, ex in handed_out.items() if ex["file"] == script)
-    if sorted(mine) != theirs:
-        return (f"has other exercise markers than those handed out ({', '.join(theirs)}; "
-                f"found: {', '.join(sorted(mine)) or 'none'})")
-    shutil.copyfile(found[0][1], os.path.join(folder, script))
+        return ("is a link, not a file" if os.path.islink(found[0][1]) else
+                f"cannot be read ({e.strerror or e})")
+    if wrong:
+        return wrong
+    with open(os.path.join(folder, script), "wb") as f:
+        f.write(data)
+    return None
+
+
+# Run in the student's process (as the student's user): it imports the scripts named, in order,
+# and says on the report pipe which one it imports, and where one fails. What it says only
+# decides which of the student's own scripts are graded as handed out.
+IMPORT_CHECK = r'''
+import importlib, json, os, sys, traceback
+fd = int(os.environ.pop("GRADER_REPORT_FD"))
+sys.path.insert(0, os.getcwd())
+
+
+def send(**row):
+    os.write(fd, (json.dumps(row) + "\n").encode())
+
+
+for name in sys.argv[1:]:
+    send(importing=name)
+    try:
+        importlib.import_module(name)
+    except BaseException as e:
+        frames = [[f.filename, f.lineno] for f in traceback.extract_tb(e.__traceback__)]
+        send(failed=name, frames=frames, error=f"{type(e).__name__}: {e}"[:300])
+        os._exit(0)
+    send(imported=name)
+os._exit(0)
+'''
+
+
+def import_check(folder, runner, deadline):
+    """Import the six scripts in `folder`, in order, as `runner` runs the tests: None, or
+    (the script that fails, what is wrong: words that follow its name) for the first that
+    fails at import (an error, one that hangs past IMPORT_LIMIT s, or ends the process)."""
+    with tempfile.TemporaryDirectory(prefix="imports-") as work:
+        os.chmod(work, 0o755)
+        check = os.path.join(work, "import_check.py")
+        with open(check, "w") as f:
+            f.write(IMPORT_CHECK)
+        os.chmod(check, 0o644)
+        home = runner.workspace(work)
+        report_r, report_w = os.pipe()
+        try:
+            proc = runner.start([runner.python, check, *(s[:-3] for s in SCRIPTS)], folder,
+                                home, (report_w,), {"GRADER_REPORT_FD": str(report_w)})
+        finally:
+            os.close(report_w)
+        os.set_blocking(report_r, False)
+        buffer, stop, exited = b"", min(deadline, time.monotonic() + IMPORT_LIMIT), None
+        try:
+            while time.monotonic() < stop:
+                select.select([report_r], [], [], 0.5)
+                chunk = b""
+                with contextlib.suppress(BlockingIOError):
+                    chunk = os.read(report_r, 1 << 16)
+                buffer += chunk
+                if proc.poll() is not None:
+                    exited = exited or time.monotonic()
+                    if not chunk or time.monotonic() > exited + 1:
+                        break
+        finally:
+            runner.stop(proc)
+            os.close(report_r)
+    rows = []
+    for line in buffer.split(b"\n"):
+        with contextlib.suppress(ValueError):
+            row = json.loads(line)
+            if isinstance(row, dict):
+                rows.append(row)
+    done = {row.get("imported") for row in rows}
+    started = [row["importing"] for row in rows if row.get("importing") not in done]
+    failed = [row for row in rows if "failed" in row]
+    if failed:
+        row = failed[0]
+        ours = [(os.path.basename(str(file)), line) for file, line in row.get("frames", [])
+                if os.path.dirname(os.path.abspath(str(file))) == os.path.abspath(folder)
+                and os.path.basename(str(file)) in SCRIPTS]
+        script, line = ours[-1] if ours else (f"{row['failed']}.py", None)
+        where = f"line {line}: " if line else ""
+        hint = (" (only the six scripts are graded: put helper code in the script itself)"
+                if str(row.get("error", "")).startswith("ModuleNotFoundError") else "")
+        return script, f"fails when imported ({where}{row.get('error', '')}){hint}"
+    if started and f"{started[0]}.py" in SCRIPTS:
+        script = f"{started[0]}.py"
+        if proc.returncode is None or exited is None:
+            return script, f"does not finish its import in {IMPORT_LIMIT} s"
+        return script, f"ends the process when imported (exit code {proc.returncode})"
     return None
 
 
 def autograde(root, names):
     """One Gradescope run in `root` (its /autograder): the student's scripts, from
     root/submission, over a copy of root/source/project; the exercises `names` graded; and
-    root/results/results.json written. Each exercise's tests get an equal share of Gradescope's
-    time limit less STARTUP, so that the results are written before Gradescope stops the run."""
+    root/results/results.json written.
+
+    What the student's code can and cannot do. This process never imports it: the import check
+    and the tests run in processes of their own, as the user STUDENT (when this runs as root, as
+    on Gradescope), each in a session of its own, killed at its deadline with every process of
+    that user; so the student's code cannot write the results, stop or slow this process past
+    the deadlines, or outlive the grading. This process reads the tests' outcomes from a pipe
+    on which only lines signed with a key, given to the plugin before the student's code is
+    imported, count; a failed import costs its script's exercises, a test that hangs or ends
+    the process its own exercise's; blank is decided by behaviour. Not guaranteed: the tests
+    run in the student's process, so code that reaches that process's memory (pytest, the
+    plugin and its key, the tests' module) can pass its own tests; the screen refuses each way
+    Python offers a script to do so (imports beyond the handed-out ones, introspection, dunder
+    attributes, assigning to modules), but it is a screen, not a sandbox: a submission that
+    gets around it is there to be read in the log."""
     results = os.path.join(root, "results", "results.json")
     check_writable(results)
+    start = time.monotonic()
     project = os.path.join(root, "source", "project")
     handed_out = find_exercises(project)
-    limit = (GRADESCOPE_LIMIT - STARTUP) / len(names)
-    with tempfile.TemporaryDirectory() as tmp:
+    python = os.path.join(root, "venv", "bin", "python")
+    python = python if os.access(python, os.X_OK) else sys.executable
+    notes = []
+    if os.geteuid() == 0:
+        runner = Runner(STUDENT, python)
+    else:
+        runner = Runner(None, python)
+        notes.append("(not run as root: the student's code ran as the grader's user)")
+    limit = min(TIME_LIMIT, (GRADESCOPE_LIMIT - STARTUP) / len(names))
+    deadline = start + GRADESCOPE_LIMIT - STARTUP / 2
+    with tempfile.TemporaryDirectory(prefix="autograde-") as tmp:
+        os.chmod(tmp, 0o755)
         folder = os.path.join(tmp, "project")
         shutil.copytree(project, folder)
+        for top, dirs, files in os.walk(folder):   # the student's user reads, never writes
+            os.chmod(top, 0o755)
+            for file in files:
+                os.chmod(os.path.join(top, file), 0o644)
         replaced = {}
         for script in SCRIPTS:
-            wrong = take_submitted(os.path.join(root, "submission"), script, folder, handed_out)
+            with open(os.path.join(project, script), encoding="utf-8-sig") as f:
+                wrong = take_submitted(os.path.join(root, "submission"), script, folder, f.read())
             if wrong:
                 replaced[script] = wrong
-        rows = grade(folder, names, limit=limit, timeout=len(names) * limit + STARTUP / 2,
-                     replaced=replaced)
-    notes = [f"{script} {wrong}: its exercises score 0; the other exercises were graded with "
-             f"{script} as handed out" for script, wrong in replaced.items()]
+        for _ in SCRIPTS:
+            broken = import_check(folder, runner, deadline)
+            if broken is None or broken[0] in replaced:
+                break
+            replaced[broken[0]] = broken[1]
+            shutil.copyfile(os.path.join(project, broken[0]), os.path.join(folder, broken[0]))
+        rows = grade(folder, names, exercises=handed_out, limit=limit,
+                     timeout=max(1, deadline - time.monotonic()), replaced=replaced,
+                     runner=runner)
+    notes += [f"{script} {wrong}: its exercises score 0; the other exercises were graded with "
+              f"{script} as handed out" for script, wrong in replaced.items()]
     write_file(results, json.dumps(results_json(rows, notes), indent=1).encode())
     print_rows(rows)                                 # the instructor's log on Gradescope
     print("\n".join(notes + [f"wrote {results}"]))
@@ -615,7 +1132,10 @@ def autograde(root, names):
 def print_rows(rows):
     """grade()'s rows, a line each, and how many pass."""
     for name, status, passed, n, why in rows:
-        print(f"{name:18} {status:6}  {passed}/{n} tests pass" + (f"  ({why})" if why else ""))
+        first, *more = why.split("\n") if why else [""]
+        print(f"{name:18} {status:6}  {passed}/{n} tests pass" + (f"  ({first})" if first else
+                                                                   ""))
+        print("".join(f"{'':28}{line}\n" for line in more), end="")
     print(f"{sum(row[1] == 'passed' for row in rows)} of {len(rows)} exercises pass")
 
 
@@ -663,9 +1183,7 @@ def main(argv=None):
     except HandoutError as e:
         sys.exit(f"handout: {e}")
     except KeyboardInterrupt:
-        sys.exit("handout: interrupted; a student copy being written is incomplete: delete it "
-                 "and run the command again" if writing_copy else
-                 "handout: interrupted; nothing written")
+        sys.exit("handout: interrupted; nothing written")
 
 
 def grade_here(names, results):
@@ -673,7 +1191,7 @@ def grade_here(names, results):
     Gradescope's results.json written there."""
     folder = copy_to_grade(os.getcwd())
     if results:
-        check_writable(results)                # now, not after a minute of grading
+        check_writable(results, mine="results")   # now, not after a minute of grading
     rows = grade(folder, names)
     for broken in syntax_errors(find_exercises(folder)):
         print(f"syntax error, nothing in its file can run: {broken}")
