@@ -3,6 +3,8 @@
 Reading order:
   trace_hessian        App. B.2's unbiased estimate of Tr[∇²L], used for every checkpoint (§4)
   sq_grad_norms        the per-sample squared gradient norms it averages (torch.func.vmap)
+  adaptive_trace       the same trace in scale-free coordinates, beside weight_norms (§4's
+                       "flatter" checked against rescaling, Dinh et al. 2017)
   fisher_gap           what that estimate leaves out away from saturation (Hutchinson probes)
   gradient_covariance  Lemma 3.2 (noise covariance = Hessian at a minimiser) on a toy softmax
   sgd_demo             Theorem 3.3: SGD drifts along the minimisers towards a smaller trace
@@ -16,8 +18,8 @@ that torch.func and double backward need, and the command line. Every measure ru
     python hessian.py --sgd-demo                              # Theorem 3.3 on the toy problem
 
 Each checkpoint prints and appends to runs/NAME/hessian.jsonl one JSON row (trace, trace_std,
-loss, settings); one there with the same settings is skipped, so an interrupted command is
-continued by running it again. (.bench/flatness_measures.py adds the extreme eigenvalues and SAM
+adaptive_trace, weight_norm and weight_norms per tensor kind, loss, settings); one there with the
+same settings is skipped, so an interrupted command is continued by running it again. (.bench/flatness_measures.py adds the extreme eigenvalues and SAM
 sharpness.)
 """
 import argparse
@@ -25,6 +27,7 @@ import contextlib
 import copy
 import math
 import os
+import re
 import sys
 import time
 
@@ -78,12 +81,12 @@ def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0):
     # END EXERCISE trace_hessian
 
 
-def sq_grad_norms(net, inputs, positions, labels, chunk_size=None):
+def sq_grad_norms(net, inputs, positions, labels, chunk_size=None, scaled=False):
     """‖∇_θ log p_θ(y_k | x_-t_k)‖² for each pair k, float64 [K] (App. B.2), eval mode: vmap over
     the pairs of grad of one pair's log-probability (torch.func), `chunk_size` pairs at a time
-    (default: ~128 MiB of per-sample gradients, at most 512). inputs [K, T], positions [K],
-    labels [K]. A pair that occurs several times (a likely ỹ drawn again for one sentence) is
-    computed once: the same numbers, fewer passes."""
+    (default: ~128 MiB of per-sample gradients, at most 512); scaled=True: ‖θ ⊙ ∇_θ ...‖²
+    (adaptive_trace). inputs [K, T], positions [K], labels [K]. A pair that occurs several
+    times (a likely ỹ drawn again for one sentence) is computed once: the same numbers."""
     key = torch.cat([inputs, positions[:, None], labels[:, None]], 1).cpu()
     key, copy_of = torch.unique(key, dim=0, return_inverse=True)
     key = key.to(inputs.device)
@@ -97,7 +100,8 @@ def sq_grad_norms(net, inputs, positions, labels, chunk_size=None):
         return logp.gather(0, y.view(1))[0]
 
     def sq_norm(p, tokens, pos, y):
-        return sum(g.float().pow(2).sum() for g in grad(log_prob)(p, tokens, pos, y).values())
+        g = grad(log_prob)(p, tokens, pos, y)
+        return sum((g[k] * p[k] if scaled else g[k]).float().pow(2).sum() for k in g)
 
     batched = vmap(sq_norm, in_dims=(None, 0, 0, 0))
     chunk = chunk_size or max(1, min(512, GRAD_FLOATS_PER_CHUNK // sum(
@@ -106,6 +110,33 @@ def sq_grad_norms(net, inputs, positions, labels, chunk_size=None):
         out = [batched(params, inputs[s:s + chunk], positions[s:s + chunk],
                        labels[s:s + chunk]).double() for s in range(0, len(labels), chunk)]
     return (torch.cat(out) if out else torch.zeros(0, dtype=torch.float64))[copy_of.to(key.device)]
+
+
+# =========================== flatness that rescaling cannot fake, and the scale it is measured at
+def adaptive_trace(model, inputs, positions, n_samples=10, seed=0):
+    """Tr(T G T) with T = diag(|θ|), G the Fisher matrix of trace_hessian: the trace in the
+    coordinates of Kwon et al. (2021)'s adaptive sharpness, E_ỹ ‖θ ⊙ ∇_θ log p_θ(ỹ | x_-t)‖²
+    over the sentences, ỹ ~ p_θ (n_samples per sentence, torch.multinomial seeded `seed`). A
+    rescaling θ_i -> c_i θ_i that leaves the network's function unchanged (a LayerNorm's input
+    weights, q against k, v against the output matrix) divides ∇_i by c_i: this is unchanged,
+    where Tr G moves by c² (Dinh et al. 2017, "Sharp minima can generalize"). -> float."""
+    probs = model_probs(model, inputs, positions).cpu()
+    draws = torch.multinomial(probs, n_samples, replacement=True,
+                              generator=torch.Generator().manual_seed(seed))
+    sentence = torch.arange(len(probs)).repeat_interleave(n_samples).to(inputs.device)
+    return sq_grad_norms(model, inputs[sentence], positions[sentence],
+                         draws.reshape(-1).to(inputs.device), scaled=True).mean().item()
+
+
+def weight_norms(model):
+    """(‖θ‖, {tensor kind: its norm over every block}) of the trainable parameters, the kinds
+    named without the block index ("blocks.3.mlp.fc.weight" -> "blocks.mlp.fc.weight"): the
+    scale a trace is measured at."""
+    squares = {}
+    for name, p in _params_and_buffers(model)[0].items():
+        kind = re.sub(r"\.\d+\.", ".", name)
+        squares[kind] = squares.get(kind, 0.0) + p.double().pow(2).sum().item()
+    return math.sqrt(sum(squares.values())), {k: math.sqrt(v) for k, v in squares.items()}
 
 
 # ============================================= ∇²L itself: what the estimate leaves out
@@ -403,7 +434,10 @@ def measure_checkpoint(path, args):
     trace, trace_std = trace_hessian(net, inputs, positions, args.samples, args.repeats, DRAW_SEED)
     print(f"  trace {trace:.4g} ± {trace_std:.2g} ({time.time() - t0:.0f}s)", file=sys.stderr,
           flush=True)
-    row = {"ckpt": str(path), "step": ckpt["step"], "trace": trace, "trace_std": trace_std}
+    norm, norms = weight_norms(net)
+    row = {"ckpt": str(path), "step": ckpt["step"], "trace": trace, "trace_std": trace_std,
+           "adaptive_trace": adaptive_trace(net, inputs, positions, args.samples, DRAW_SEED),
+           "weight_norm": norm, "weight_norms": norms}
     if args.fisher_gap:                                            # HVPs: on the first sentences
         x, pos = inputs[:args.hvp_sentences], positions[:args.hvp_sentences]
         p_true = lang.mlm_conditional(x.cpu(), (x != data.pad_id(lang.vocab_size)).sum(1).cpu())

@@ -7,7 +7,9 @@ Reading order:
   word_features       the words alone, one-hot: what a task gives away without a model
   chart_features      a PCFG's exact chart of span posteriors: all a perfect model knows
   linear_probe        App. A.4's probe: 512-d Gaussian projection, standardised, softmax head
-  finetune            the whole network plus a linear head (App. A.4)
+  sample_efficiency   its accuracy over training-set sizes, as one number (a measure with room)
+  finetune            the whole network plus a linear head (App. A.4), and tuned_finetune,
+                      its (lr, updates) chosen per checkpoint on a validation split
   partial_r2          the trace's partial r² given KL: what flatness explains beyond the loss
   paired_difference   two checkpoints on the same test sentences, per training seed and across
 After the banner, the plumbing: one checkpoint's row, the summary table, the command line.
@@ -41,13 +43,18 @@ import torch.nn.functional as F
 import data
 import train
 
-METHODS = ("linear", "finetune", "onehot", "chart")
+METHODS = ("linear", "curve", "finetune", "onehot", "chart")
+CURVE_POINTS = 6        # curve: the linear probe on n_train / 2^5, ..., n_train / 2, n_train
 LINEAR_LR = 1e-3        # AdamW lr of the linear head
 LINEAR_EPOCHS = 100
 LINEAR_BATCH = 512      # the authors' run_lp.py
-FT_LR = 3e-3            # the paper's 1e-4 is for ~8k steps (0.1M examples), not 320 (4000)
-FT_WARMUP = 200         # warm-up steps (capped at a tenth of all steps for short CPU runs)
-FT_EPOCHS = 10
+# Fine-tuning's grid, fixed before the runs: each checkpoint takes the (peak lr, updates) of
+# best accuracy on its validation split, the last 1/FT_VALID of the training sentences (the
+# paper's one recipe, lr 1e-4 for ~8k updates on 0.1M examples, has no CPU-sized counterpart)
+FT_LRS = (1e-3, 3e-3, 1e-2, 3e-2)
+FT_UPDATES = (40, 160, 640)
+FT_VALID = 5
+FT_WARMUP = 200         # warm-up steps (capped at a tenth of all updates for short CPU runs)
 FT_BATCH = 128          # the authors' run_ft.py
 FT_CLIP = 1.0
 WEIGHT_DECAY = 0.01     # AdamW weight decay for both (the BERT recipe's value)
@@ -145,40 +152,82 @@ def linear_probe(x_train, y_train, x_test, y_test, n_classes, seed,
     # END EXERCISE linear_probe
 
 
-def finetune(model, train_split, test_split, n_classes, seed, epochs=FT_EPOCHS, lr=FT_LR,
-             warmup=FT_WARMUP, batch_size=FT_BATCH, device="cpu"):
-    """Correctness (bool [n_test]) after fine-tuning a copy of the whole network plus a linear
-    head on concat_features (App. A.4): AdamW, linear warm-up for min(warmup, steps // 10)
-    steps then linear decay to 0 (BERT's; train.lr_at), gradients clipped to FT_CLIP. `model` is
-    unchanged."""
+def sample_efficiency(x_train, y_train, x_test, y_test, n_classes, seed, proj_dim, epochs):
+    """The linear probe's sample-efficiency curve as one number: linear_probe trained on the
+    first n of the training split for n = n_train / 2^(CURVE_POINTS-1), ..., n_train / 2,
+    n_train, each on the same test split; the area under accuracy against log n, as a share of
+    the axis (trapezoids on equally spaced log n). -> per test sentence its weighted
+    correctness, float64 [n_test], whose mean is that area."""
+    sizes = [len(x_train) >> k for k in range(CURVE_POINTS - 1, -1, -1)]
+    if sizes[0] < 2:
+        raise ValueError(f"the curve's smallest training set, {sizes[0]}, needs n_train >= "
+                         f"{2 << CURVE_POINTS - 1}")
+    weights = torch.tensor([0.5] + [1.0] * (CURVE_POINTS - 2) + [0.5]) / (CURVE_POINTS - 1)
+    return sum(w * linear_probe(x_train[:n], y_train[:n], x_test, y_test, n_classes, seed,
+                                proj_dim, epochs).double() for w, n in zip(weights, sizes))
+
+
+def finetune(model, train_split, test_split, n_classes, seed, updates=160, lr=3e-3,
+             proj_dim=train.PROJ_DIM, warmup=FT_WARMUP, batch_size=FT_BATCH, device="cpu"):
+    """Correctness (bool [n_test]) after `updates` updates of a copy of the whole network plus
+    a linear head on concat_features (App. A.4), through a fixed Gaussian projection to
+    proj_dim features (train.gaussian_projection; None: none), so that networks of every width
+    get heads of one size: AdamW, linear warm-up for min(warmup, updates // 10) updates then
+    linear decay to 0 (BERT's; train.lr_at), gradients clipped to FT_CLIP, batches from one
+    reshuffle of the training split per pass. `model` is unchanged."""
     (tok, lengths, y), (tok_test, lengths_test, y_test) = train_split, test_split
     width = max(tok.shape[1], tok_test.shape[1])  # one head for both splits: width·d inputs
     g = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):  # dropout draws from the global RNG: seed, then restore
         torch.manual_seed(seed)
         net = copy.deepcopy(model).to(device).train()
-        d = net.features(tok[:1].to(device)).shape[-1]
-        head = torch.nn.Linear(width * d, n_classes).to(device)
+        wide = width * net.features(tok[:1].to(device)).shape[-1]
+        R = (torch.eye(wide) if proj_dim is None
+             else train.gaussian_projection(wide, proj_dim, g)).to(device)
+        head = torch.nn.Linear(R.shape[1], n_classes).to(device)
         params = list(net.parameters()) + list(head.parameters())
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
-        total = epochs * math.ceil(len(tok) / batch_size)
-        schedule = argparse.Namespace(lr=lr, steps=total, schedule="linear", decay_steps=0,
-                                      warmup_steps=max(1, min(warmup, total // 10)))
+        schedule = argparse.Namespace(lr=lr, steps=updates, schedule="linear", decay_steps=0,
+                                      warmup_steps=max(1, min(warmup, updates // 10)))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: train.lr_at(s, schedule) / lr)
-        for _ in range(epochs):
-            perm = torch.randperm(len(tok), generator=g)
-            for i in range(0, len(tok), batch_size):
-                idx = perm[i:i + batch_size]
-                x = concat_features(net, tok[idx], lengths[idx], width, device)
-                loss = F.cross_entropy(head(x), y[idx].to(device))
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, FT_CLIP)
-                opt.step()
-                sched.step()
+        order = torch.cat([torch.randperm(len(tok), generator=g)
+                           for _ in range(math.ceil(updates * batch_size / len(tok)))])
+        for step in range(updates):
+            idx = order[step * batch_size:(step + 1) * batch_size]
+            x = concat_features(net, tok[idx], lengths[idx], width, device) @ R
+            loss = F.cross_entropy(head(x), y[idx].to(device))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, FT_CLIP)
+            opt.step()
+            sched.step()
         with torch.no_grad():
-            x_test = concat_features(net.eval(), tok_test, lengths_test, width, device)
+            x_test = concat_features(net.eval(), tok_test, lengths_test, width, device) @ R
             return head(x_test).argmax(1).eq(y_test.to(device)).cpu()
+
+
+def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, proj_dim=train.PROJ_DIM,
+                   device="cpu"):
+    """Fine-tuning as a protocol: for every (lr, updates) of FT_LRS x FT_UPDATES and probe seed
+    0..n_seeds-1, finetune on the training split less its last 1/FT_VALID (the validation
+    split, never a test sentence); the checkpoint's own choice is the point of best mean
+    validation accuracy (ties: fewer updates, then the smaller lr). -> (per seed the test
+    correctness at the choice, bool [n_test]; the grid [{lr, updates, val_acc, test_acc}];
+    the chosen grid row)."""
+    n_val = max(1, len(train_split[0]) // FT_VALID)
+    fit = tuple(x[:-n_val] for x in train_split)
+    judged = tuple(torch.cat([v[-n_val:], t]) for v, t in zip(train_split, test_split))
+    grid, correct = [], {}
+    for updates in FT_UPDATES:
+        for lr in FT_LRS:
+            runs = [finetune(model, fit, judged, n_classes, s, updates, lr, proj_dim,
+                             device=device) for s in range(n_seeds)]
+            correct[lr, updates] = [c[n_val:] for c in runs]
+            grid.append({"lr": lr, "updates": updates,
+                         "val_acc": float(np.mean([c[:n_val].float().mean() for c in runs])),
+                         "test_acc": float(np.mean([c[n_val:].float().mean() for c in runs]))})
+    best = max(grid, key=lambda r: r["val_acc"])   # the first of equals: fewest updates, lr
+    return correct[best["lr"], best["updates"]], grid, best
 
 
 # ========== §4: flatness against accuracy among models of (nearly) the same pre-training loss
@@ -281,7 +330,7 @@ def match_kl(kl, kl_se, candidates):
 
 # ==================================================================================== plumbing
 METRIC_COLUMNS = ["eval_loss", "entropy", "kl", "kl_se"]
-HESSIAN_COLUMNS = ["trace", "trace_std"]
+HESSIAN_COLUMNS = ["trace", "trace_std", "adaptive_trace", "weight_norm"]
 PROBE_SETTINGS = ("n_train", "n_test", "data_seed", "projection", "epochs", "seeds", "language")
 HESSIAN_SETTINGS = ("n_sentences", "n_samples", "n_repeats", "seed", "sentence_seed")
 
@@ -310,13 +359,13 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
     t0 = time.time()
     model, ckpt, lang = train.load_checkpoint(path, device=device)
     task, n_classes = checked_task(path, ckpt, lang, task, method)
-    epochs = epochs or (FT_EPOCHS if method == "finetune" else LINEAR_EPOCHS)
+    epochs = None if method == "finetune" else epochs or LINEAR_EPOCHS
     cache = {} if cache is None else cache     # downstream data for the language's next ckpt
     key = (json.dumps(lang.spec(), sort_keys=True), task, n_train, n_test)
     if key not in cache:
         cache[key] = downstream_data(lang, task, n_train, n_test)
     (tok, lengths, labels), (tok_test, lengths_test, labels_test) = cache[key]
-    if method == "linear":   # a lookup table computes exact conditionals: small batches
+    if method in ("linear", "curve"):   # a lookup table's exact conditionals: small batches
         bs = 64 if ckpt["kind"] == "lookup" else FEATURE_BATCH
         with torch.no_grad():
             x = concat_features(model, tok, lengths, device=device, batch_size=bs)
@@ -326,14 +375,19 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
         x, x_test = word_features(tok, lengths, n_ids), word_features(tok_test, lengths_test, n_ids)
     elif method == "chart":
         x, x_test = chart_features(lang, tok, lengths), chart_features(lang, tok_test, lengths_test)
-    accs, n_correct = [], torch.zeros(n_test, dtype=torch.long)   # seeds right, per test sentence
+    tuned = {}
+    if method == "finetune":
+        by_seed, grid, best = tuned_finetune(model, *cache[key], n_classes, n_seeds, proj_dim,
+                                             device)
+        edge = (best["lr"] in (FT_LRS[0], FT_LRS[-1])
+                or best["updates"] in (FT_UPDATES[0], FT_UPDATES[-1]))
+        tuned = {"ft_grid": grid, "ft_choice": best, "ft_at_edge": edge}
+    accs, n_correct = [], torch.zeros(n_test, dtype=torch.float64)   # seeds right, per sentence
+    fit = sample_efficiency if method == "curve" else linear_probe
     for s in range(n_seeds):
-        if method != "finetune":
-            correct = linear_probe(x, labels, x_test, labels_test, n_classes, seed=s,
-                                   proj_dim=proj_dim, epochs=epochs)
-        else:
-            correct = finetune(model, *cache[key], n_classes, seed=s, epochs=epochs, device=device)
-        n_correct += correct.long()
+        correct = by_seed[s] if tuned else fit(x, labels, x_test, labels_test, n_classes, s,
+                                               proj_dim, epochs)
+        n_correct += correct.double()
         accs.append(correct.float().mean().item())
         print(f"[probe] {path}: {method} seed {s + 1}/{n_seeds} acc {accs[-1]:.4f} "
               f"({time.time() - t0:.1f}s)", file=sys.stderr, flush=True)
@@ -343,16 +397,18 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
             "acc_std": float(np.std(accs, ddof=1)) if n_seeds > 1 else None,
             "accs": accs, "data_seed": DATA_SEED, "kind": ckpt["kind"],
             "language": lang.spec()["kind"], "n_classes": n_classes,
-            "lr": FT_LR if method == "finetune" else LINEAR_LR,
-            "n_correct": n_correct.tolist(), "wall_s": round(time.time() - t0, 2)}
+            "lr": tuned["ft_choice"]["lr"] if tuned else LINEAR_LR, **tuned,
+            "n_correct": [int(c) if c == int(c) else c for c in n_correct.tolist()],
+            "wall_s": round(time.time() - t0, 2)}
 
 
 def probe_settings(step, task, method, n_train, n_test, n_seeds, proj_dim, epochs):
     """The settings a row records, by which a checkpoint probed already is skipped."""
+    finetune = method == "finetune"
     return {"step": int(step), "task": str(task), "method": method, "n_train": n_train,
-            "n_test": n_test, "seeds": list(range(n_seeds)),
-            "projection": None if method == "finetune" else proj_dim,
-            "epochs": epochs or (FT_EPOCHS if method == "finetune" else LINEAR_EPOCHS)}
+            "n_test": n_test, "seeds": list(range(n_seeds)), "projection": proj_dim,
+            "epochs": None if finetune else epochs or LINEAR_EPOCHS,
+            **({"ft_grid_of": [list(FT_LRS), list(FT_UPDATES), FT_VALID]} if finetune else {})}
 
 
 # ----------------------------------------------------------------------------- the summary
@@ -389,7 +445,7 @@ def summary_table(run_dirs, min_step=0):
         probes = {}
         for r in data.read_rows(os.path.join(run, "probe.jsonl"), ("step", "method", "task")):
             setting = f"{r['method']}_{r['task']}"
-            if r["method"] != "finetune" and "projection" in r and r["projection"] is None:
+            if "projection" in r and r["projection"] is None:
                 setting += "_noproj"                  # a different probe: its own column
             _check_same(seen, f"probe.py {setting} settings", name,
                         {k: r.get(k) for k in PROBE_SETTINGS}, os.path.join(run, "probe.jsonl"))
@@ -539,8 +595,8 @@ def compare(table, setting, spec_a, spec_b):
             lines.append(text)
         lo, hi = t_interval(diffs)[2:] if se_mean is not None else (None, None)
         verdict = ("" if se_mean is None else f" ± {se_mean:.4f} (se over seeds; 95 % {lo:+.4f} "
-                   f"to {hi:+.4f}) -> {'exceeds' if abs(mean) > 2 * se_mean else 'within'} 2 se "
-                   f"across seeds")
+                   f"to {hi:+.4f}) -> " + ("excludes 0: an effect" if lo > 0 or hi < 0 else
+                                          "includes 0: no effect detected"))
         lines.append(f"  mean over {len(diffs)} seeds: {mean:+.4f}{verdict}; "
                      f"{sum(d > 0 for d in diffs)}/{len(diffs)} seeds positive")
         if all(len(ranked) > 1 for _, ranked, _ in matches):
@@ -571,6 +627,12 @@ def same_loss_lines(pairs, spec_a, spec_b):
                     + f", log Tr ratio {r:+.3f}" + (f" ± {r_se:.3f}" if r_se else "")
                     + f" (Tr x{math.exp(r):.2f}); the flatter side is the more accurate in "
                     f"{k}/{n} pairs")
+    for key, name in (("adaptive_trace", "adaptive Tr"), ("weight_norm", "‖θ‖")):
+        logs = [math.log(b[key] / a[key]) for _, a, b, margin, _ in pairs if margin < 2
+                and _finite(a.get(key)) and _finite(b.get(key)) and a[key] > 0 and b[key] > 0]
+        if logs:                       # a trace beside the scale it was measured at
+            text.append(f"  {name} of B / A over {len(logs)} matched pairs: "
+                        f"x{math.exp(np.mean(logs)):.2f} (geometric mean)")
     lower_worse = sum((d > 0) == (a["kl"] < b["kl"]) for a, b, d in unmatched)
     text.append(f"  not matched: {len(unmatched)} pairs; in {lower_worse} of them the side with "
                 f"the lower loss is the less accurate")
@@ -596,7 +658,8 @@ def probed_settings(table):
 def print_summary(columns, table, comparisons=()):
     """Print the table; per probe setting and group of runs (and pooled over groups) the R² and
     slope sign of accuracy on the trace, on KL and on log KL and the trace's partial r² given
-    KL; then the paired comparisons (first probe setting). Returns the pairs matched by KL."""
+    KL; then the paired comparisons, per probe setting. Returns the first setting's pairs
+    matched by KL (for --plot)."""
     cells = [columns] + [[_fmt(r.get(c)) for c in columns] for r in table]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     print("\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells))
@@ -624,9 +687,15 @@ def print_summary(columns, table, comparisons=()):
                 _fmt_fit(stats, k) for k in ("trace", "kl", "log_kl", "partial")))
     pairs = []
     for spec_a, spec_b in comparisons:
-        lines, found = compare(table, settings[0], spec_a, spec_b)
-        print("\n".join(lines))
-        pairs += [p for p in found if p[3] is not None]          # matched by KL: for --plot
+        for setting in settings:                         # the pairs of each probe setting
+            try:
+                lines, found = compare(table, setting, spec_a, spec_b)
+            except ValueError as e:                      # a setting probed on one side only
+                if setting == settings[0]:
+                    raise
+                lines, found = [f"{setting}: {e}"], []
+            print("\n".join(lines))
+            pairs += [p for p in found if p[3] is not None and setting == settings[0]]
     return pairs
 
 
@@ -684,8 +753,9 @@ def parse_args(argv=None):
     a("--plot", help="with --summary: draw accuracy against KL, trace as colour, --compare's "
       "pairs joined, to this PNG (needs matplotlib)")
     a("--task", help="downstream task (PCFG: A, B, C; HMM: k, e.g. 6; default: the first)")
-    a("--method", choices=METHODS, default="linear", help="linear probe (default), fine-tuning "
-      "(App. A.4); the linear probe on the language's one-hot words or on a PCFG's exact chart")
+    a("--method", choices=METHODS, default="linear", help="linear probe (default), its sample-"
+      "efficiency area, fine-tuning (App. A.4); the linear probe on one-hot words or a PCFG's "
+      "exact chart")
     a("--n-train", type=data.int_flag(1, 10 ** 7), default=N_TRAIN,
       help=f"training examples (default {N_TRAIN})")
     a("--n-test", type=data.int_flag(1, 10 ** 7), default=N_TEST,
@@ -694,13 +764,16 @@ def parse_args(argv=None):
       help=f"probe seeds 0..N-1 (default {N_SEEDS})")
     a("--no-projection", action="store_true", help="no 512-d projection (as the authors' code)")
     a("--epochs", type=data.int_flag(1, 10 ** 6),
-      help=f"default {LINEAR_EPOCHS} (linear), {FT_EPOCHS} (fine-tuning)")
+      help=f"the linear probe's (default {LINEAR_EPOCHS}); fine-tuning takes its grid")
     a("--device", type=train.device_flag, default="cpu", help="cpu (default) or cuda")
     data.threads_flag(p)
     args = p.parse_args(argv)
     bad = [m for m in [args.plot and data.unwritable(args.plot, "--plot")] if m]
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         bad.append("--plot needs matplotlib, which is not installed: pip install matplotlib")
+    if args.method == "finetune" and args.epochs:
+        bad.append("--epochs is the linear probe's; fine-tuning takes the grid probe.FT_LRS x "
+                   "probe.FT_UPDATES")
     if not args.summary and (args.compare or args.plot):
         bad.append("--compare and --plot go with --summary RUN_DIR ...")
     bad += [] if args.summary else train.missing_checkpoints(args.paths, "probe.jsonl")

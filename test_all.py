@@ -3194,6 +3194,65 @@ def test_hessian_per_sample_norms_match_autograd_loop(arch):
     assert torch.allclose(ours, ref, rtol=1e-4)
 
 
+# ------------------------------------------------- flatness that rescaling cannot fake (§4)
+def _hessian_rescaled_qk(net, c):
+    """A copy of a one-block transformer with the query rows of qkv (weight and bias) times c
+    and the key rows divided by c: every attention score q·k, so every logit, is unchanged."""
+    net = copy.deepcopy(net)
+    d = net.config.d
+    with torch.no_grad():
+        for p in (net.blocks[0].attn.qkv.weight, net.blocks[0].attn.qkv.bias):
+            p[:d] *= c
+            p[d:2 * d] /= c
+    return net
+
+
+def test_hessian_adaptive_trace_survives_a_function_preserving_rescaling():
+    """q x c, k / c leaves the network's function as it was: the Fisher trace moves (by ~c²),
+    the adaptive trace does not (up to float32 rounding)."""
+    net = _hessian_net("transformer")
+    inputs, _, positions = _hessian_masked(n=12, padded=True)
+    big = _hessian_rescaled_qk(net, 8.0)
+    torch.testing.assert_close(big(inputs), net(inputs), rtol=1e-4, atol=1e-5)
+    traces = [hessian.trace_hessian(m, inputs, positions, n_samples=4, n_repeats=2)[0]
+              for m in (net, big)]
+    adaptive = [hessian.adaptive_trace(m, inputs, positions, n_samples=4) for m in (net, big)]
+    assert traces[1] > 3 * traces[0], traces
+    assert adaptive[1] == pytest.approx(adaptive[0], rel=1e-3), adaptive
+
+
+def test_hessian_adaptive_trace_equals_an_autograd_loop():
+    """Tr(T G T), T = diag|θ|: the mean over the same draws of ‖θ ⊙ ∇ log p_θ(ỹ)‖², each by its
+    own backward pass (the LSTM through nn.LSTM itself)."""
+    net = _hessian_net("lstm")
+    inputs, _, positions = _hessian_masked(n=6, padded=True)
+    probs = hessian.model_probs(net, inputs, positions)
+    draws = torch.multinomial(probs, 3, replacement=True,
+                              generator=torch.Generator().manual_seed(5))
+    params = [p for p in net.parameters() if p.requires_grad]
+    total = 0.0
+    for i in range(6):
+        for y in draws[i].tolist():
+            logp = torch.log_softmax(net(inputs[i:i + 1])[0, positions[i], :5], -1)[y]
+            grads = torch.autograd.grad(logp, params)
+            total += sum((g * p).double().pow(2).sum() for g, p in zip(grads, params)).item()
+    got = hessian.adaptive_trace(net, inputs, positions, n_samples=3, seed=5)
+    assert got == pytest.approx(total / 18, rel=1e-4)
+
+
+def test_hessian_weight_norms_by_hand():
+    """‖θ‖ over the trainable tensors, and per tensor kind summed over the blocks."""
+    net = _hessian_net("transformer", n_layers=2)
+    total, kinds = hessian.weight_norms(net)
+    named = dict(net.named_parameters())
+    assert total == pytest.approx(math.sqrt(sum(p.double().pow(2).sum().item()
+                                                for p in named.values())), rel=1e-12)
+    fc = sum(named[f"blocks.{i}.mlp.fc.weight"].double().pow(2).sum().item() for i in (0, 1))
+    assert kinds["blocks.mlp.fc.weight"] == pytest.approx(math.sqrt(fc), rel=1e-12)
+    assert kinds["wte.weight"] == pytest.approx(named["wte.weight"].double().norm().item())
+    assert not any(re.search(r"\.\d+\.", k) for k in kinds)
+
+
 # ----------------------------------------------------------------------------- ∇²L itself
 def test_hessian_at_saturation_fisher_and_hutchinson_agree_with_the_exact_trace():
     """At a model equal to the true conditional (targets = its own p_θ), Tr[G] = Tr[∇²L]: the
@@ -3827,7 +3886,8 @@ def _probe_two_runs(tmp_path):
 def test_probe_summary_table_joins_the_runs_files(tmp_path):
     columns, table = probe.summary_table(_probe_two_runs(tmp_path))
     assert columns == ["run", "step", "eval_loss", "entropy", "kl", "kl_se", "trace", "trace_std",
-                       "linear_C_acc", "linear_C_acc_std", "linear_B_acc", "linear_B_acc_std"]
+                       "adaptive_trace", "weight_norm", "linear_C_acc", "linear_C_acc_std",
+                       "linear_B_acc", "linear_B_acc_std"]
     steps = _PROBE_R1["steps"]
     assert [(r["run"], r["step"]) for r in table] == [("r1", s) for s in steps] + [("r2", 500)]
     assert table[1]["kl"] == pytest.approx(1 / 200) and table[1]["trace"] == 4.0
@@ -4198,15 +4258,61 @@ def test_probe_finetune_learns_first_token_task():
     net = model.build(cfg).eval()
     before = {k: v.clone() for k, v in net.state_dict().items()}
     train_split, short = (tok[128:], lens[128:], y[128:]), lens[:128] < T
-    acc = probe.finetune(net, train_split, (tok[:128], lens[:128], y[:128]), 2, seed=0, epochs=4)
+    acc = probe.finetune(net, train_split, (tok[:128], lens[:128], y[:128]), 2, seed=0,
+                         updates=16)
     assert acc.shape == (128,) and acc.float().mean() >= 0.95, acc
     test_narrow = (tok[:128][short, :T - 1], lens[:128][short], y[:128][short])
-    assert probe.finetune(net, train_split, test_narrow, 2, seed=0, epochs=4).float().mean() >= 0.95
+    assert probe.finetune(net, train_split, test_narrow, 2, seed=0, updates=16,
+                          proj_dim=None).float().mean() >= 0.95
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())  # model untouched
 
 
-def test_probe_finetune_default_recipe_beats_majority_class(tmp_path):
-    # App. A.4 fine-tuning at the defaults on a small MLM trained by train.py (6-state HMM, task-3)
+def test_probe_sample_efficiency_is_the_area_under_the_curve_on_log_n():
+    """curve: linear_probe on the first 2, 4, ..., 64 training sentences (6 points), weighted
+    1/2, 1, 1, 1, 1, 1/2 over 5 unit steps of log2 n, per test sentence."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 5, generator=g), torch.randint(0, 3, (64,), generator=g)
+    xt, yt = torch.randn(9, 5, generator=g), torch.randint(0, 3, (9,), generator=g)
+    got = probe.sample_efficiency(x, y, xt, yt, 3, seed=2, proj_dim=4, epochs=3)
+    each = [probe.linear_probe(x[:n], y[:n], xt, yt, 3, 2, 4, 3).double()
+            for n in (2, 4, 8, 16, 32, 64)]
+    want = (each[0] / 2 + sum(each[1:5]) + each[5] / 2) / 5
+    assert got.dtype == torch.float64 and torch.allclose(got, want)
+    with pytest.raises(ValueError, match="needs n_train >= 64"):
+        probe.sample_efficiency(x[:63], y[:63], xt, yt, 3, seed=2, proj_dim=4, epochs=3)
+
+
+def test_probe_tuned_finetune_chooses_on_the_validation_split(monkeypatch):
+    """The protocol around finetune (a stand-in that scores by hand): it trains on the training
+    split less its last fifth, judges every grid point on that fifth (never the test split),
+    takes the best mean validation accuracy (ties: fewer updates, then the smaller lr: (3e-2,
+    40) before (1e-3, 160)) and returns each seed's test correctness there."""
+    n_train, n_test = 20, 6
+    tok = torch.arange(n_train + n_test)[:, None].repeat(1, 3)       # sentence i: ids i
+    split = lambda a, b: (tok[a:b], torch.full((b - a,), 3), torch.zeros(b - a, dtype=torch.long))
+    seen = []
+
+    def stand_in(model, fit, judged, n_classes, seed, updates, lr, proj_dim, device="cpu"):
+        seen.append((fit[0][:, 0].tolist(), judged[0][:, 0].tolist()))
+        right = {(1e-2, 40): 2, (3e-2, 40): 4, (1e-3, 160): 4}.get((lr, updates), 0)  # of 4
+        return torch.cat([torch.arange(4) < right,                    # the validation fifth
+                          torch.full((n_test,), (lr, updates, seed) == (3e-2, 40, 1))])
+    monkeypatch.setattr(probe, "finetune", stand_in)
+    by_seed, grid, best = probe.tuned_finetune(None, split(0, n_train), split(n_train, n_train +
+                                                                            n_test), 2, 2)
+    assert {(tuple(f), tuple(j)) for f, j in seen} == {(tuple(range(16)),
+                                                        tuple(range(16, 26)))}
+    assert len(grid) == len(probe.FT_LRS) * len(probe.FT_UPDATES) == len(seen) // 2
+    assert (best["lr"], best["updates"]) == (3e-2, 40) and best["val_acc"] == 1.0
+    assert [c.tolist() for c in by_seed] == [[False] * n_test, [True] * n_test]
+    assert best["test_acc"] == 0.5
+
+
+def test_probe_finetune_default_recipe_beats_majority_class(tmp_path, monkeypatch):
+    # App. A.4 fine-tuning, tuned on a 2 x 2 grid, on a small MLM trained by train.py (6-state
+    # HMM, task-3)
+    monkeypatch.setattr(probe, "FT_LRS", (3e-3, 1e-2))
+    monkeypatch.setattr(probe, "FT_UPDATES", (40, 160))
     lang = data.HMM.random(n_states=6, vocab_size=10, n_blocks=2, length=6, seed=0)
     (tmp_path / "hmm6.json").write_text(json.dumps(lang.spec()))
     train.main(["--lang", str(tmp_path / "hmm6.json"), "--steps", "100", "--batch", "32",
@@ -4214,7 +4320,8 @@ def test_probe_finetune_default_recipe_beats_majority_class(tmp_path):
                 "--ckpt-every", "100", "--threads", "1", "--runs", str(tmp_path), "--name", "ft"])
     ckpt = train.list_checkpoints(str(tmp_path / "ft"))[-1]
     row = probe.probe_checkpoint(ckpt, "3", method="finetune", n_train=2000, n_test=500, n_seeds=1)
-    assert row["lr"] == probe.FT_LR and row["epochs"] == probe.FT_EPOCHS
+    assert row["ft_choice"]["lr"] == row["lr"] and len(row["ft_grid"]) == 4
+    assert row["acc"] == row["ft_choice"]["test_acc"] and row["projection"] == train.PROJ_DIM
     _, (_, _, y_test) = probe.downstream_data(train.load_checkpoint(ckpt)[2], "3", 2000, 500)
     majority = y_test.bincount().max().item() / len(y_test)
     assert row["acc"] >= majority + 0.3, (row["acc"], majority)
@@ -4767,7 +4874,7 @@ _REPRO_HESSIAN = ["--sentences", "24", "--samples", "2", "--repeats", "2", "--th
 _REPRO_PROBE = ["--task", "6", "--n-train", "64", "--n-test", "32", "--seeds", "2", "--epochs", "2",
                 "--device", "cpu"]
 _REPRO_COLUMNS = ["run", "step", "eval_loss", "entropy", "kl", "trace", "trace_std",
-                  "linear_6_acc", "linear_6_acc_std"]
+                  "adaptive_trace", "weight_norm", "linear_6_acc", "linear_6_acc_std"]
 
 
 def _repro_train(tmp_path, name, *extra):
@@ -4802,7 +4909,7 @@ def _repro_check(rows, runs_steps, lookup_runs=()):
     assert sorted((r["run"], int(r["step"])) for r in rows) == sorted(runs_steps)
     for r in rows:
         for c in _REPRO_COLUMNS[1:]:
-            hessian_cell = c in ("trace", "trace_std")
+            hessian_cell = c in ("trace", "trace_std", "adaptive_trace", "weight_norm")
             if r["run"] in lookup_runs and hessian_cell:
                 assert r[c] == "", (r["run"], c, r[c])
                 continue
