@@ -19,20 +19,29 @@ docstrings and replaces each chosen region by `raise NotImplementedError("exerci
   python .ci/handout.py --grade --results results.json   # and the autograder's file (Gradescope)
   python .ci/handout.py --autograder autograder.zip [NAME ...]   # Gradescope's autograder
 Grading one exercise: `python -m pytest -q test_all.py -k ex_<name>` in the student's copy;
---grade runs them all (or those named) and prints each one blank, passed or failed, with the
-number of its tests that pass, and for a failed one why: an exercise it requires left blank,
-or its first failing test. --results writes the same as Gradescope's results.json (a test per
-exercise: score = the fraction of its tests that pass, 0 if blank; maximum 1; the line as
-output). Each exercise's tests get a time limit together, so that a loop that never ends costs
-that exercise only.
+--grade runs them all (or those named) in another process and prints each one blank, passed or
+failed, with the number of its tests that pass, and for a failed one why: an exercise it
+requires left blank, or its first failing test (its name, the first line of its docstring, its
+assertion's line of test_all.py and the first lines of its error: expected and got). Blank
+means that none of its tests passes and its function (found by name: comments and markers do
+not count) behaves as handed out: it still raises the handout's NotImplementedError. --results
+writes the same as Gradescope's results.json (a test per exercise: score = the fraction of its
+tests that pass, 0 if blank; maximum 1, so one point per exercise; the line as output); it
+writes over no file but one it wrote. Each exercise's tests get a time limit together, kept by
+this process, which stops the tests' process when it is spent (even in compiled code) and runs
+the other exercises' tests again, so that a loop that never ends costs that exercise only.
 
 --autograder writes the zip an instructor uploads to Gradescope (give it the exercises handed
-out): setup.sh installs requirements.txt (torch as its CPU build); run_autograder grades each
-submission, its six scripts over project/, the student copy of those exercises (it holds none
-of their solutions), as --grade does, within Gradescope's default 10 minutes; a script missing
-from the submission, or one that Python cannot compile, is graded as handed out: its exercises
-score 0 and say why, the other files' exercises are graded. Standard library only (pytest runs
-in a subprocess).
+out, each once): setup.sh makes a venv of its own with requirements.txt (torch as its CPU
+build, numpy and pytest at the versions of this Python) and the user the student's code runs
+as; run_autograder grades each submission, its six scripts over project/, the student copy of
+those exercises (it holds none of their solutions), as --grade does, within Gradescope's
+default 10 minutes, the student's code in processes of that user (autograde says what that
+guarantees). A script missing from the submission, one that Python cannot compile, one that
+the screen refuses (screen) or one that fails when imported is graded as handed out: its
+exercises score 0 and say why (file and line), the other files' exercises are graded. Every
+file is written whole (beside it, then renamed) or not at all. Standard library only (pytest
+runs in a subprocess).
 """
 import argparse
 import ast
@@ -287,6 +296,10 @@ def pytest_runtest_logreport(report):
 
 def pytest_runtest_logfinish(nodeid, location):
     _send(kind="finish", test=_names.get(nodeid, nodeid))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _send(kind="done", code=int(exitstatus))
 '''
 TIME_LIMIT = 120      # seconds per exercise when grading; the slowest one's tests take about 4
 GRADESCOPE_LIMIT = 600   # seconds Gradescope gives one run of run_autograder unless told more
@@ -393,9 +406,10 @@ def run_child(runner, folder, args, work, limit, deadline, spent, known, skip, s
     """Run `pytest test_all.py ARGS` once in `folder` as the runner says, and follow its
     signed reports: (how it ended, the test it was in, its exit code, its output's tail), with
     the reports added to `known` ({"tests": ..., "results": ...}) and the seconds the tests took
-    to `spent` ({exercise: seconds}). It ends "done", "crashed" (exited during a test),
-    "time" (a test's exercises used up `limit` seconds: it is stopped) or "deadline" (the clock
-    reached `deadline`: stopped)."""
+    to `spent` ({exercise: seconds}). It ends "done" (pytest said so, or exited), "crashed"
+    (exited during a test), "time" (a test's exercises used up `limit` seconds), "stuck" (no
+    test began in IMPORT_LIMIT seconds) or "deadline" (the clock reached `deadline`); it is
+    stopped then, whatever it left running."""
     home = runner.workspace(work)
     key = secrets.token_bytes(32)
     report_r, report_w = os.pipe()
@@ -408,7 +422,7 @@ def run_child(runner, folder, args, work, limit, deadline, spent, known, skip, s
     # --tb=native: pytest's own tracebacks parse test_all.py again for each failing test, half
     # a second each, half a minute for a blank copy
     argv = [runner.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=native",
-            "-p", "grading_plugin", "test_all.py", *args]
+            "-o", "verbosity_assertions=2", "-p", "grading_plugin", "test_all.py", *args]
     try:
         proc = runner.start(argv, folder, home, (report_w, key_r), env)
     finally:
@@ -416,16 +430,18 @@ def run_child(runner, folder, args, work, limit, deadline, spent, known, skip, s
         os.close(key_r)
     os.set_blocking(report_r, False)
     buffer, current, started, ended, exited = b"", None, 0.0, None, None
+    last, code = time.monotonic(), None          # the last test's end (or the start); done's code
     try:
         while ended is None:
             now = time.monotonic()
-            stop = deadline
+            stop = min(deadline, last + IMPORT_LIMIT)     # collecting, or between two tests
             if current is not None:
                 left = min([limit - spent.get(e, 0) for e in known["tests"].get(current, [[]])[0]]
                            or [limit])
-                stop = min(stop, started + left)
+                stop = min(deadline, started + left)
             if now >= stop:
-                ended = "deadline" if now >= deadline else "time"
+                ended = ("deadline" if now >= deadline else "time" if current is not None else
+                         "stuck")
                 break
             ready = select.select([report_r], [], [], min(0.5, stop - now))[0]
             chunk = b""
@@ -445,7 +461,9 @@ def run_child(runner, folder, args, work, limit, deadline, spent, known, skip, s
                 elif row.get("kind") == "finish" and row["test"] == current:
                     for e in known["tests"].get(current, [[]])[0]:
                         spent[e] = spent.get(e, 0) + time.monotonic() - started
-                    current = None
+                    current, last = None, time.monotonic()
+                elif row.get("kind") == "done":
+                    ended, code = "done", row.get("code")
                 elif row.get("kind") == "report":
                     faults = known["results"]
                     if faults.get(row["test"], ("passed",))[0] == "passed":   # its first fault
@@ -461,7 +479,8 @@ def run_child(runner, folder, args, work, limit, deadline, spent, known, skip, s
     if current is not None and ended == "time":
         for e in known["tests"].get(current, [[]])[0]:
             spent[e] = limit
-    return ended, current, proc.returncode, _tail(home + ".out")
+    code = proc.returncode if code is None else code
+    return ended, current, code, _tail(home + ".out")
 
 
 def _verified(key, line):
@@ -501,7 +520,7 @@ def run_tests(folder, args, limit=TIME_LIMIT, timeout=None, runner=None):
                                                   spent, known, set(known["results"]),
                                                   out_of_time)
             results = known["results"]
-            if ended == "deadline":
+            if ended in ("deadline", "stuck"):
                 code = None
                 break
             if ended == "time":
@@ -637,7 +656,7 @@ def feedback(crash, message, lines=5):
     frames = re.findall(r'File "[^"]*test_all\.py", line (\d+), in \w+\n\s*(.*)', message)
     where = [f"test_all.py:{frames[-1][0]}: {frames[-1][1].strip()[:200]}"] if frames else []
     error = (crash or (message.strip().splitlines() or ["(no message)"])[-1]).strip()
-    shown = [line[:200] for line in error.splitlines()[:lines]]
+    shown = [line[:200] for line in error.splitlines() if line.strip()][:lines]
     return "\n".join("  " + line for line in where + shown)
 
 
@@ -664,7 +683,8 @@ def results_json(rows, notes=()):
     of exercises that pass and the `notes`."""
     tests = [{"name": name, "score": 0.0 if status == "blank" else round(passed / n, 4) if n
               else 0.0, "max_score": 1.0, "visibility": VISIBILITY,
-              "output": f"{status}: {passed}/{n} tests pass" + (f"; {why}" if why else "")}
+              "output": (f"{status}: {passed}/{n} tests pass" if n else status)
+              + (f"; {why}" if why else "")}
              for name, status, passed, n, why in rows]
     done = sum(row[1] == "passed" for row in rows)
     return {"score": round(sum(t["score"] for t in tests), 4),
@@ -749,9 +769,11 @@ def copy_to_grade(folder):
 
 
 # What a submitted script may use beyond what its handed-out copy uses: the screen refuses the
-# ways out of a function's own work that Python offers a script, so that the student's code
-# cannot reach the test process's machinery (pytest, the grading plugin, the tests' module)
-# through them. It is a screen, not a sandbox (see the top of autograde).
+# ways Python offers a script to reach into the process it runs in (imports beyond the
+# handed-out ones, introspection, dunders, assigning to a module), so that the student's code
+# cannot change the test process's machinery (pytest, the grading plugin, the tests' module).
+# What other processes can do (fork, kill, write files) is left to the user it runs as and the
+# deadlines. It is a screen, not a sandbox (see autograde's docstring).
 IMPORTABLE = {"math", "cmath", "itertools", "functools", "collections", "operator", "heapq",
               "bisect", "dataclasses", "typing", "statistics", "fractions", "decimal", "random",
               "string", "re", "copy", "numbers", "enum", "abc", "numpy", "torch",
@@ -760,11 +782,9 @@ REFUSED_NAMES = {"eval", "exec", "compile", "__import__", "globals", "locals", "
                  "setattr", "delattr", "breakpoint", "__builtins__", "__loader__", "__spec__"}
 REFUSED_ATTRIBUTES = {"_getframe", "settrace", "setprofile", "meta_path", "path_hooks",
                       "f_back", "f_globals", "f_locals", "f_builtins", "f_code", "tb_frame",
-                      "gi_frame", "cr_frame", "ag_frame", "_exit", "kill", "killpg", "fork",
-                      "forkpty", "setsid", "system", "popen", "execv", "execve", "execvp",
-                      "spawnv", "posix_spawn", "ctypeslib", "cpp_extension", "load_library",
-                      "library", "overrides", "attrgetter", "methodcaller", "sys", "os", "gc",
-                      "inspect", "builtins", "importlib", "ctypes", "subprocess", "pytest",
+                      "gi_frame", "cr_frame", "ag_frame", "ctypeslib", "cpp_extension",
+                      "load_library", "library", "overrides", "attrgetter", "methodcaller",
+                      "sys", "os", "gc", "inspect", "builtins", "importlib", "ctypes", "pytest",
                       "_pytest", "test_all"}
 KEPT_DUNDERS = {"__init__", "__name__", "__doc__", "__file__", "__len__", "__call__",
                 "__repr__", "__str__", "__post_init__", "__getitem__", "__iter__", "__next__"}
@@ -1133,8 +1153,8 @@ def print_rows(rows):
     """grade()'s rows, a line each, and how many pass."""
     for name, status, passed, n, why in rows:
         first, *more = why.split("\n") if why else [""]
-        print(f"{name:18} {status:6}  {passed}/{n} tests pass" + (f"  ({first})" if first else
-                                                                   ""))
+        count = f"{passed}/{n} tests pass" if n else ""
+        print(f"{name:18} {status:6}  {count}" + (f"  ({first})" if first else ""))
         print("".join(f"{'':28}{line}\n" for line in more), end="")
     print(f"{sum(row[1] == 'passed' for row in rows)} of {len(rows)} exercises pass")
 
