@@ -5356,6 +5356,28 @@ def test_bad_input_bench_e1_dose_refuses_in_one_line(tmp_path, env, argv, said):
     assert os.listdir(tmp_path / "runs") == []
 
 
+@pytest.mark.parametrize("env, argv, said", [
+    ({}, ["report", "11"], "no {runs}/dose-fin20-s11.json: run floor 11 first"),
+    ({}, ["floor", "11"], "no run {runs}/dose-s11 (construct it first"),
+    ({"AGAINST": "L4H4"}, ["measure", "11"], "no run {runs}/dose-b3-s11"),
+    ({"AGAINST": "bogus"}, ["report", "11"], "AGAINST must be later, L4H4 or L8H2, not bogus"),
+    ({"LATE": "x"}, ["floor", "11"], "SEED and LATE must be whole numbers"),
+    ({}, ["report", "abc"], "SEED and LATE must be whole numbers"),
+])
+def test_bad_input_bench_controls_refuses_in_one_line(tmp_path, monkeypatch, capsys, env, argv,
+                                                      said):
+    """.bench/controls.py: a run not there yet or a bad argument is one line, nothing written."""
+    runs = str(tmp_path / "runs")
+    os.mkdir(runs)
+    for k, v in {"RUNS": runs, **env}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        _bench("controls").main(argv)
+    assert capsys.readouterr().out == "" and "\n" not in str(e.value.code)
+    assert said.format(runs=runs) in str(e.value.code), e.value.code
+    assert os.listdir(runs) == []
+
+
 def test_faults_resume_with_the_same_runs_folder_spelled_two_ways(tmp_path, monkeypatch):
     """A run made with an absolute --runs resumes with a relative one (the same folder), twice."""
     monkeypatch.chdir(tmp_path)

@@ -1,0 +1,219 @@
+"""The main setting's same-loss pairs measured with the controls a reviewer of a flatness claim
+asks for (pcfg-deep, tf-deep; after `bash .bench/e1_dose.sh construct SEED`, and `larger SEED`
+for E2). Both sides of every pair at lr 0, fine-tuning tuned per checkpoint, the weight norm and
+a rescaling-invariant trace beside Tr F and Tr H, every size probed through one 512-d width.
+
+    python .bench/controls.py floor SEED          # E1's B: a finished floor matching A's KL
+    python .bench/controls.py measure SEED        # every measure at the pair (~15 min, 1 core)
+    python .bench/controls.py report SEED ...     # per seed, and 95 % t-intervals over seeds
+    LATE=10 python .bench/controls.py ...         # the 7,000-step dose (default 20: 17,000)
+    AGAINST=L4H4 python .bench/controls.py ...    # E2: tf-deep's floor against the larger
+                                                  # model's checkpoint of nearest KL (or L8H2)
+
+The pair. E1: A = the floor decayed over 1,000 steps from P + 3,000 (e1_dose.sh's dose-b3), B =
+a full decay from P + 1,000 LATE, of the length in DECAYS whose final KL is nearest A's, chosen
+by KL alone before anything else is measured (dose-finLATE-D). E2: A = tf-deep's floor, B = the
+larger model's checkpoint of nearest KL on its own floor's decay (e1_dose.sh's pair, both sides
+then at lr > 0 on B's: the larger model's floor itself where it matches). RUNS= sets the folder.
+
+The measures, fixed before the runs: hessian.py --fisher-gap 30 (Tr F, Tr H, the adaptive trace,
+weight norms); on the root (task A) of the same 8,000 test sentences, 3 probe seeds, the 512-d
+projection on every side: the linear probe on 4,000 sentences for 400 epochs (the ceiling row),
+its sample-efficiency area over 125 ... 4,000 sentences (probe.py --method curve; the transfer
+measure with room) and fine-tuning on 500 sentences, tuned on their validation fifth.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import data  # noqa: E402
+import probe  # noqa: E402
+import train  # noqa: E402
+
+DECAYS = (25, 50, 100, 200, 400, 800)     # lengths of B's full decay, to lr 0
+SETTINGS = (("linear_A", "linear probe, 4,000"), ("curve_A", "sample-efficiency area"),
+            ("finetune_A", "fine-tuned, 500"))
+PAPER = {"later": 1.6, "L4H4": 6.9, "L8H2": 6.9}   # the paper's effects, points (Figs. 1, 2)
+R = os.environ.get("RUNS", "runs")
+LATE = os.environ.get("LATE", "20")
+AGAINST = os.environ.get("AGAINST", "later")
+
+
+def evals(run):
+    """The evaluation rows of runs/RUN (KL, kl_se), or a one-line error naming it."""
+    path = os.path.join(R, run, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"no run {os.path.join(R, run)} (construct it first: the header)")
+    return [r for r in data.read_rows(path) if "kl" in r]
+
+
+def plateau_exit(seed):
+    """P rounded up to the 1,000-step grid: the first evaluation of the constant run below 0.3."""
+    P = next((r["step"] for r in evals(f"dose-s{seed}") if r["kl"] < 0.3), None)
+    if P is None:
+        raise ValueError(f"seed {seed}: the constant run never reaches KL 0.3")
+    return (P + 999) // 1000 * 1000
+
+
+def floor(seed):
+    """E1's B: full decays of every length in DECAYS from P + 1,000 LATE; the one whose final KL
+    is nearest the floor A's, chosen by KL alone (and recorded in runs/dose-finLATE-s.json)."""
+    start = train.ckpt_path(os.path.join(R, f"dose-s{seed}"),
+                            plateau_exit(seed) + 1000 * int(LATE))
+    if not os.path.isfile(start):
+        raise ValueError(f"{start} is missing: run e1_dose.sh construct {seed} with LATE={LATE}")
+    a = evals(f"dose-b3-s{seed}")[-1]
+    finals = {}
+    for d in DECAYS:
+        name = f"dose-fin{LATE}-{d}-s{seed}"
+        if not os.path.isfile(train.ckpt_path(os.path.join(R, name), train.read_checkpoint(
+                start)["step"] + d)):
+            run([sys.executable, "train.py", "--branch-from", start, "--decay-steps", str(d),
+                 "--ckpt-every", str(d), "--eval-every", str(d), "--runs", R, "--name", name])
+        finals[d] = evals(name)[-1]
+    (best, *_), margin = probe.match_kl(a["kl"], a["kl_se"], [
+        {**r, "decay": d} for d, r in finals.items()])
+    choice = {"decay": best["decay"], "margin_se": margin, "a_kl": a["kl"],
+              "finals": {d: r["kl"] for d, r in finals.items()}}
+    data.write_whole(os.path.join(R, f"dose-fin{LATE}-s{seed}.json"),
+                     lambda f: json.dump(choice, f), mode="w")
+    print(f"seed {seed}: A's floor KL {a['kl']:.4f}; B = the {best['decay']}-step decay, KL "
+          f"{best['kl']:.4f} ({margin:.1f} se; finals "
+          + ", ".join(f"{d}: {r['kl']:.4f}" for d, r in finals.items()) + ")")
+
+
+def pair(seed):
+    """(A's checkpoint, B's checkpoint, |dKL| in se) of this seed's pair."""
+    a_run = f"dose-b3-s{seed}"
+    if AGAINST == "later":
+        path = os.path.join(R, f"dose-fin{LATE}-s{seed}.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"seed {seed}: no {path}: run floor {seed} first")
+        with open(path) as f:
+            choice = json.load(f)
+        b_run = f"dose-fin{LATE}-{choice['decay']}-s{seed}"
+        a, b = evals(a_run)[-1], evals(b_run)[-1]
+        return (train.ckpt_path(os.path.join(R, a_run), a["step"]),
+                train.ckpt_path(os.path.join(R, b_run), b["step"]), choice["margin_se"])
+    if AGAINST not in PAPER:
+        raise ValueError(f"AGAINST must be later, L4H4 or L8H2, not {AGAINST}")
+    a, floor_b = evals(a_run)[-1], evals(f"dose-{AGAINST}b3-s{seed}")
+    ranked, margin = probe.match_kl(a["kl"], a["kl_se"], floor_b)
+    return (train.ckpt_path(os.path.join(R, a_run), a["step"]),
+            train.ckpt_path(os.path.join(R, f"dose-{AGAINST}b3-s{seed}"), ranked[0]["step"]),
+            margin)
+
+
+def measure(seed):
+    """Every measure of the module docstring at the pair (each script skips what it has)."""
+    a, b, _ = pair(seed)
+    common = ["--task", "A", "--n-test", "8000", "--seeds", "3"]
+    run([sys.executable, "hessian.py", a, b, "--fisher-gap", "30"])
+    run([sys.executable, "probe.py", a, b, *common, "--n-train", "4000", "--epochs", "400"])
+    run([sys.executable, "probe.py", a, b, *common, "--method", "curve", "--n-train", "4000",
+         "--epochs", "400"])
+    run([sys.executable, "probe.py", a, b, *common, "--method", "finetune", "--n-train", "500"])
+
+
+def kl_at(ckpt):
+    """The evaluation row of a checkpoint's run at its step."""
+    step = train.read_checkpoint(ckpt)["step"]
+    return next(r for r in evals(os.path.basename(os.path.dirname(ckpt))) if r["step"] == step)
+
+
+def rows_at(ckpt, rows):
+    """The rows of `rows` (hessian.jsonl, probe.jsonl) in ckpt's run folder at its step."""
+    step = train.read_checkpoint(ckpt)["step"]
+    return [r for r in data.read_rows(os.path.join(os.path.dirname(ckpt), rows))
+            if r["step"] == step]
+
+
+def report(seeds):
+    """Per seed the pair and B - A of every measure; over the matched seeds each setting's 95 %
+    t-interval (does it exclude 0, the paper's effect?) and r of the gain with the log ratio of
+    each flatness measure, beside r with the KL difference (the loss baseline)."""
+    gains, logs = {s: [] for s, _ in SETTINGS}, {k: [] for k in ("Tr F", "Tr H", "adaptive",
+                                                                 "‖θ‖", "dKL")}
+    for seed in seeds:
+        a, b, margin = pair(seed)
+        (ha,), (hb,) = (rows_at(c, "hessian.jsonl")[-1:] or [None] for c in (a, b))
+        if ha is None or hb is None:
+            print(f"seed {seed}: not measured yet (measure {seed})")
+            continue
+        ka, kb = kl_at(a), kl_at(b)
+        ratio = {"Tr F": hb["trace"] / ha["trace"],
+                 "Tr H": (hb["trace"] + hb["fisher_gap"]) / (ha["trace"] + ha["fisher_gap"]),
+                 "adaptive": hb["adaptive_trace"] / ha["adaptive_trace"],
+                 "‖θ‖": hb["weight_norm"] / ha["weight_norm"]}
+        matched = margin < 2
+        print(f"seed {seed}: A {a} KL {ka['kl']:.4f}, B {b} KL {kb['kl']:.4f} ({margin:.1f} se, "
+              f"{'matched' if matched else 'NOT matched'}); B / A: " + ", ".join(
+                  f"{k} {v:.2f}x" for k, v in ratio.items()))
+        for setting, label in SETTINGS:
+            method = setting.split("_")[0]
+            pa, pb = ([r for r in rows_at(c, "probe.jsonl") if r["method"] == method
+                       and r["n_test"] == 8000][-1:] for c in (a, b))
+            if not (pa and pb):
+                print(f"  {label}: not measured")
+                continue
+            (d,), (se,), _, _ = probe.paired_difference([pa[0]["n_correct"]],
+                                                        [pb[0]["n_correct"]], 3)
+            tuned = "".join(f"; {side} chose lr {r['ft_choice']['lr']:g} x "
+                            f"{r['ft_choice']['updates']}{' (grid edge)' * r['ft_at_edge']}"
+                            for side, r in (("A", pa[0]), ("B", pb[0])) if "ft_choice" in r)
+            print(f"  {label:24s} {pa[0]['acc']:.4f} -> {pb[0]['acc']:.4f}: B - A "
+                  f"{100 * d:+.2f} ± {100 * se:.2f} points{tuned}")
+            if matched:
+                gains[setting].append(100 * d)
+        if matched:
+            for k, v in ratio.items():
+                logs[k].append(math.log(v))
+            logs["dKL"].append(kb["kl"] - ka["kl"])
+    paper = PAPER[AGAINST]
+    print(f"over the {len(logs['dKL'])} matched seeds:")
+    for setting, label in SETTINGS:
+        g = np.array(gains[setting])
+        if len(g) < 2:
+            print(f"  {label}: {len(g)} matched seed(s), no interval")
+            continue
+        mean, se, lo, hi = probe.t_interval(g)
+        rs = ", ".join(f"{k} {np.corrcoef(g, v)[0, 1]:+.2f}" for k, v in logs.items()
+                       if len(g) > 2 and np.std(v) > 0)
+        print(f"  {label:24s} B - A {mean:+.2f} ± {se:.2f} (95 % {lo:+.2f} to {hi:+.2f}; "
+              f"excludes 0: {'yes' if lo > 0 or hi < 0 else 'no'}, excludes +{paper}: "
+              f"{'yes' if lo > paper or hi < paper else 'no'}); r of the gain with the log "
+              f"ratio of: {rs or '-'}")
+
+
+def run(argv):
+    """A script of the project, its output shown; its failure a one-line error."""
+    print("$ " + " ".join(argv[1:]), flush=True)
+    if subprocess.run(argv, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode:
+        raise ValueError(f"{argv[1]} failed (its message above)")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    way, seeds = (argv[0], argv[1:]) if argv else (None, [])
+    if way not in ("floor", "measure", "report") or not seeds or (way != "report"
+                                                                  and len(seeds) > 1):
+        sys.exit(__doc__.split("\n\n")[1].rstrip())
+    if not all(s.isdigit() for s in seeds) or not LATE.isdigit():
+        sys.exit(f"controls.py: error: SEED and LATE must be whole numbers, got {seeds}, {LATE}")
+    try:
+        if AGAINST != "later" and way == "floor":
+            raise ValueError("floor builds E1's B; E2's pairs come from e1_dose.sh larger")
+        {"floor": lambda: floor(seeds[0]), "measure": lambda: measure(seeds[0]),
+         "report": lambda: report(seeds)}[way]()
+    except ValueError as e:
+        sys.exit(f"controls.py: error: {data.first_line(e)}")
+
+
+if __name__ == "__main__":
+    main()
