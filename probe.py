@@ -226,6 +226,8 @@ def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, proj_dim=
             grid.append({"lr": lr, "updates": updates,
                          "val_acc": float(np.mean([c[:n_val].float().mean() for c in runs])),
                          "test_acc": float(np.mean([c[n_val:].float().mean() for c in runs]))})
+            print(f"[finetune] lr {lr:g} x {updates} updates: validation {grid[-1]['val_acc']:.4f}"
+                  f", test {grid[-1]['test_acc']:.4f}", file=sys.stderr, flush=True)
     best = max(grid, key=lambda r: r["val_acc"])   # the first of equals: fewest updates, lr
     return correct[best["lr"], best["updates"]], grid, best
 
