@@ -5,7 +5,7 @@ Reading order:
   downstream_data     a task of the checkpoint's own language (data.py), one held-out split
   concat_features     the representation: last-layer features of all tokens, concatenated
   word_features       the words alone, one-hot: what a task gives away without a model
-  chart_features      a PCFG's exact chart of span posteriors: all a perfect model knows
+  chart_features      a PCFG's exact chart of span posteriors: what is known of the parse
   linear_probe        App. A.4's probe: 512-d Gaussian projection, standardised, softmax head
   sample_efficiency   its accuracy over training-set sizes, as one number (a measure with room)
   finetune            the whole network plus a linear head (App. A.4), and tuned_finetune,
@@ -19,7 +19,8 @@ After the banner, the plumbing: one checkpoint's row, the summary table, the com
     python probe.py --summary runs/e1-s{0,1,2} --compare e1@3000 e1@last --plot e1.png
 
 Each probed checkpoint appends to runs/NAME/probe.jsonl one JSON row (acc, acc_std over probe
-seeds, n_correct: per test sentence, how many seeds got it right; the settings).
+seeds, n_correct: per test sentence, how many seeds got it right, for curve weighted as
+its area; fine-tuning's grid and choice; the settings).
 `--summary` joins the rows of train.py, hessian.py and probe.py in run folders (print_summary
 says what it prints). Two methods read the checkpoint's language, not its network: `--method
 onehot` probes one-hot words, `--method chart` a PCFG's exact chart of span posteriors.
