@@ -24,10 +24,11 @@ score, max_score 1, visibility and words of its output):
   hostile    the student copy, with: data.py patching the    its true score: train.py's,
              grading plugin; the solutions of train.py,      hessian.py's and probe.py's
              hessian.py and probe.py, with train.py writing  exercises pass, the others 0;
-             a forged results.json, sending forged passes    results.json is still the
-             on every pipe and killing the grader; hessian   grader's seconds later, and no
-             .py leaving a daemon that rewrites              process of the student's user
-             results.json; probe.py one that holds the       is left
+             a forged results.json, a forged run of the      results.json is still the
+             plugin's (every test collected and passed) on   grader's seconds later, and no
+             every pipe, and killing the grader;             process of the student's user
+             hessian.py leaving a daemon that rewrites       is left
+             results.json; probe.py one that holds the
              pipes
 The hostile submission needs root (the student's code runs as another user): without root this
 check says so and skips that submission only. As root it makes the student's user as setup.sh
@@ -276,7 +277,8 @@ for _module in list(sys.modules.values()):
 import _pytest.reports
 _pytest.reports.TestReport.passed = property(lambda self: True)
 """,
-    # a forged results.json, forged passes on every pipe, then the grader killed
+    # a forged results.json; on every pipe, a forged run of the grading plugin's: every test
+    # collected, passed, and pytest done; then the grader killed
     "train.py": """
 def _forge():
     try:
@@ -284,20 +286,27 @@ def _forge():
             f.write('{"score": 100.0, "output": "forged", "tests": []}')
     except OSError:
         pass
+    tests, tags = {}, []
     try:
         with open("test_all.py") as f:
-            tests = [line[4:].split("(")[0] for line in f if line.startswith("def test_")]
+            for line in f:
+                if line.startswith("@exercise("):
+                    tags += [t.strip(' "') for t in line[10:].split(")")[0].split(",")]
+                elif line.startswith("def test_"):
+                    tests[line[4:].split("(")[0]], tags = [tags, ""], []
     except OSError:
-        tests = []
+        pass
+    rows = [{"kind": "collected", "tests": tests}]
+    for test in tests:
+        rows += [{"kind": "start", "test": test},
+                 {"kind": "report", "test": test, "outcome": "passed", "crash": "",
+                  "message": ""}, {"kind": "finish", "test": test}]
+    rows.append({"kind": "done", "code": 0})
+    lines = "".join("0" * 64 + " " + json.dumps(row, sort_keys=True) + "\\n" for row in rows)
     for fd in range(3, 256):
         try:
-            if not os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:"):
-                continue
-            for test in tests:
-                for kind in ("start", "report", "finish"):
-                    row = json.dumps({"kind": kind, "test": test, "outcome": "passed",
-                                      "crash": "", "message": ""}, sort_keys=True)
-                    os.write(fd, ("0" * 64 + " " + row + "\\n").encode())
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:"):
+                os.write(fd, lines.encode())
         except OSError:
             pass
     for pid in {os.getppid(), os.getpgid(os.getppid())}:

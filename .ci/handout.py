@@ -892,8 +892,8 @@ id -u STUDENT >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/
 RUN_AUTOGRADER = '''#!/usr/bin/env python3
 """Gradescope runs this for each submission, in /autograder: it grades the exercises below in
 the student's scripts (submission/) against the project as handed out (source/project/) and
-writes results/results.json. The student's code runs in other processes, as another user.
-AUTOGRADER_ROOT, when set, stands for /autograder (a test runs this in a scratch folder).
+writes results/results.json. The student's code runs in other processes, as another user
+(what that guarantees, and what not: the docstring of autograde in handout.py). AUTOGRADER_ROOT, when set, stands for /autograder (a test runs this in a scratch folder).
 Made by .ci/handout.py --autograder."""
 import os
 import sys
