@@ -893,8 +893,9 @@ RUN_AUTOGRADER = '''#!/usr/bin/env python3
 """Gradescope runs this for each submission, in /autograder: it grades the exercises below in
 the student's scripts (submission/) against the project as handed out (source/project/) and
 writes results/results.json. The student's code runs in other processes, as another user
-(what that guarantees, and what not: the docstring of autograde in handout.py). AUTOGRADER_ROOT, when set, stands for /autograder (a test runs this in a scratch folder).
-Made by .ci/handout.py --autograder."""
+(what that guarantees, and what not: the docstring of autograde in handout.py).
+AUTOGRADER_ROOT, when set, stands for /autograder (a test runs this in a scratch folder). Made
+by .ci/handout.py --autograder."""
 import os
 import sys
 
