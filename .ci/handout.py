@@ -51,6 +51,7 @@ import hmac
 import io
 import json
 import os
+import pwd
 import re
 import resource
 import secrets
@@ -322,7 +323,6 @@ class Runner:
         self.python, self.user = python, user
         self.uid = self.gid = None
         if user is not None:
-            import pwd
             try:
                 entry = pwd.getpwnam(user)
             except KeyError:
