@@ -36,6 +36,7 @@ import probe  # noqa: E402
 import train  # noqa: E402
 
 DECAYS = (25, 50, 100, 200, 400, 800)     # lengths of B's full decay, to lr 0
+REFINE = 4                                # at most this many more lengths, bisected
 SETTINGS = (("linear_A", "linear probe, 4,000"), ("curve_A", "sample-efficiency area"),
             ("finetune_A", "fine-tuned, 500"))
 PAPER = {"later": 1.6, "L4H4": 6.9, "L8H2": 6.9}   # the paper's effects, points (Figs. 1, 2)
@@ -61,30 +62,40 @@ def plateau_exit(seed):
 
 
 def floor(seed):
-    """E1's B: full decays of every length in DECAYS from P + 1,000 LATE; the one whose final KL
-    is nearest the floor A's, chosen by KL alone (and recorded in runs/dose-finLATE-s.json)."""
+    """E1's B: full decays of every length in DECAYS from P + 1,000 LATE, then lengths bisected
+    (geometrically) between the two whose final KLs bracket A's until one is within 1 se of it
+    (at most REFINE more); the decay whose final KL is nearest the floor A's, chosen by KL alone
+    (and recorded in runs/dose-finLATE-s.json)."""
     start = train.ckpt_path(os.path.join(R, f"dose-s{seed}"),
                             plateau_exit(seed) + 1000 * int(LATE))
     if not os.path.isfile(start):
         raise ValueError(f"{start} is missing: run e1_dose.sh construct {seed} with LATE={LATE}")
     a = evals(f"dose-b3-s{seed}")[-1]
     finals = {}
-    for d in DECAYS:
+
+    def decay(d):
         name = f"dose-fin{LATE}-{d}-s{seed}"
         if not os.path.isfile(train.ckpt_path(os.path.join(R, name), train.read_checkpoint(
                 start)["step"] + d)):
             run([sys.executable, "train.py", "--branch-from", start, "--decay-steps", str(d),
                  "--ckpt-every", str(d), "--eval-every", str(d), "--runs", R, "--name", name])
-        finals[d] = evals(name)[-1]
-    (best, *_), margin = probe.match_kl(a["kl"], a["kl_se"], [
-        {**r, "decay": d} for d, r in finals.items()])
+        finals[d] = {**evals(name)[-1], "decay": d}
+        return probe.match_kl(a["kl"], a["kl_se"], list(finals.values()))
+    for d in DECAYS:
+        (best, *_), margin = decay(d)
+    for _ in range(REFINE):         # the longer the decay, the lower its final KL
+        above = [d for d, r in finals.items() if r["kl"] > a["kl"]]
+        below = [d for d, r in finals.items() if r["kl"] <= a["kl"]]
+        if margin < 1 or not above or not below or min(below) - max(above) < 2:
+            break
+        (best, *_), margin = decay(round(math.sqrt(max(above) * min(below))))
     choice = {"decay": best["decay"], "margin_se": margin, "a_kl": a["kl"],
-              "finals": {d: r["kl"] for d, r in finals.items()}}
+              "finals": {d: r["kl"] for d, r in sorted(finals.items())}}
     data.write_whole(os.path.join(R, f"dose-fin{LATE}-s{seed}.json"),
                      lambda f: json.dump(choice, f), mode="w")
     print(f"seed {seed}: A's floor KL {a['kl']:.4f}; B = the {best['decay']}-step decay, KL "
           f"{best['kl']:.4f} ({margin:.1f} se; finals "
-          + ", ".join(f"{d}: {r['kl']:.4f}" for d, r in finals.items()) + ")")
+          + ", ".join(f"{d}: {r['kl']:.4f}" for d, r in sorted(finals.items())) + ")")
 
 
 def pair(seed):
