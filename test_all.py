@@ -4288,6 +4288,7 @@ def test_probe_tuned_finetune_chooses_on_the_validation_split(monkeypatch):
     split; the best validation accuracy wins (ties: fewer updates, then the smaller lr: (3e-2,
     40) before (1e-3, 160)); the other seeds run at the choice on the test split alone, so no
     test sentence ever chooses."""
+    monkeypatch.setattr(probe, "FT_UPDATES", (40, 160, 640))
     n_train, n_test = 20, 6
     tok = torch.arange(n_train + n_test)[:, None].repeat(1, 3)       # sentence i: ids i
     split = lambda a, b: (tok[a:b], torch.full((b - a,), 3), torch.zeros(b - a, dtype=torch.long))
