@@ -3431,6 +3431,16 @@ def test_hessian_cli_writes_one_row_per_checkpoint(tmp_path, capsys):
     assert json.loads(lines[-1]) == row
 
 
+def test_hessian_cli_records_the_sentences_its_hvps_ran_on(tmp_path, capsys):
+    """--hvp-sentences beyond --sentences: the Fisher gap runs on the --sentences there are, and
+    the row says so."""
+    path = _hessian_checkpoint(tmp_path)
+    hessian.main([str(path), "--sentences", "6", "--samples", "2", "--repeats", "2",
+                  "--hvp-sentences", "50", "--fisher-gap", "2"])
+    row = json.loads(capsys.readouterr().out.strip())
+    assert row["hvp_sentences"] == 6 and row["fisher_gap_probes"] == 2
+
+
 def _hessian_cli_settings(*argv):
     """(sentences, samples, repeats, hvp_sentences) as hessian.py parses argv."""
     a = hessian.parse_args(list(argv))
