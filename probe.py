@@ -52,7 +52,7 @@ LINEAR_BATCH = 512      # the authors' run_lp.py
 # Fine-tuning's grid, fixed before the runs: each checkpoint takes the (peak lr, updates) of
 # best accuracy on its validation split, the last 1/FT_VALID of the training sentences (the
 # paper's one recipe, lr 1e-4 for ~8k updates on 0.1M examples, has no CPU-sized counterpart;
-# the updates reach 2560 because both sides of a pilot pair chose the longest of 40, 160, 640)
+# the updates reach 2560 so that a choice can fall inside the grid: .bench/RESULTS.md, the pilot)
 FT_LRS = (1e-3, 3e-3, 1e-2, 3e-2)
 FT_UPDATES = (160, 640, 2560)
 FT_VALID = 5
