@@ -4,7 +4,7 @@ for E2). Both sides of every pair at lr 0, fine-tuning tuned per checkpoint, the
 a rescaling-invariant trace beside Tr F and Tr H, every size probed through one 512-d width.
 
     python .bench/controls.py floor SEED          # E1's B: a finished floor matching A's KL
-    python .bench/controls.py measure SEED        # every measure at the pair (~15 min, 1 core)
+    python .bench/controls.py measure SEED        # every measure at the pair (~33 min, 1 core)
     python .bench/controls.py report SEED ...     # per seed, and 95 % t-intervals over seeds
     LATE=10 python .bench/controls.py ...         # the 7,000-step dose (default 20: 17,000)
     AGAINST=L4H4 python .bench/controls.py ...    # E2: tf-deep's floor against the larger
