@@ -9,7 +9,8 @@ Reading order:
   linear_probe        App. A.4's probe: 512-d Gaussian projection, standardised, softmax head
   sample_efficiency   its accuracy over training-set sizes, as one number (a measure with room)
   finetune            the whole network plus a linear head (App. A.4), and tuned_finetune,
-                      its (lr, updates) chosen per checkpoint on a validation split
+                      its (lr, updates) chosen per checkpoint on a validation split, with
+                      early stopping
   partial_r2          the trace's partial r² given KL: what flatness explains beyond the loss
   paired_difference   two checkpoints on the same test sentences, per training seed and across
 After the banner, the plumbing: one checkpoint's row, the summary table, the command line.
@@ -49,14 +50,15 @@ CURVE_POINTS = 6        # curve: the linear probe on n_train / 2^5, ..., n_train
 LINEAR_LR = 1e-3        # AdamW lr of the linear head
 LINEAR_EPOCHS = 100
 LINEAR_BATCH = 512      # the authors' run_lp.py
-# Fine-tuning's grid, fixed before the runs: each checkpoint takes the (peak lr, updates) of
-# best accuracy on its validation split, the last 1/FT_VALID of the training sentences (the
-# paper's one recipe, lr 1e-4 for ~8k updates on 0.1M examples, has no CPU-sized counterpart;
-# the updates reach 2560 so that a choice can fall inside the grid: .bench/RESULTS.md, the pilot)
+# Fine-tuning's grid, fixed before the runs: each checkpoint takes the (lr, updates) of best
+# accuracy on its validation split, the last 1/FT_VALID of the training sentences (the paper's
+# one recipe, lr 1e-4 for ~8k updates on 0.1M examples, has no CPU-sized counterpart; the grid
+# is the one its pilot left every choice inside of: .bench/RESULTS.md)
 FT_LRS = (1e-3, 3e-3, 1e-2, 3e-2)
-FT_UPDATES = (160, 640, 2560)
+FT_UPDATES = (160, 320, 640, 1280, 2560, 5120, 10240)   # one run per lr, judged at each
+FT_PATIENCE = 2         # a run stops once validation has not risen for this many points
 FT_VALID = 5
-FT_WARMUP = 200         # warm-up steps (capped at a tenth of all updates for short CPU runs)
+FT_WARMUP = 100         # warm-up steps, then the lr stays
 FT_BATCH = 128          # the authors' run_ft.py
 FT_CLIP = 1.0
 WEIGHT_DECAY = 0.01     # AdamW weight decay for both (the BERT recipe's value)
@@ -169,18 +171,19 @@ def sample_efficiency(x_train, y_train, x_test, y_test, n_classes, seed, proj_di
                                 proj_dim, epochs).double() for w, n in zip(weights, sizes))
 
 
-def finetune(model, train_split, test_split, n_classes, seed, updates=160, lr=3e-3,
+def finetune(model, train_split, test_split, n_classes, seed, lr=3e-3, at=(160,),
              proj_dim=train.PROJ_DIM, warmup=FT_WARMUP, batch_size=FT_BATCH, device="cpu"):
-    """Correctness (bool [n_test]) after `updates` updates of a copy of the whole network plus
-    a linear head on concat_features (App. A.4), through a fixed Gaussian projection to
-    proj_dim features (train.gaussian_projection; None: none), so that networks of every width
-    get heads of one size: AdamW, linear warm-up for min(warmup, updates // 10) updates then
-    linear decay to 0 (BERT's; train.lr_at), gradients clipped to FT_CLIP, batches from one
-    reshuffle of the training split per pass. `model` is unchanged."""
+    """Yields (n, correctness bool [n_test]) after each n of `at` updates of a copy of the whole
+    network plus a linear head on concat_features (App. A.4), through a fixed Gaussian
+    projection to proj_dim features (train.gaussian_projection; None: none), so that networks of
+    every width get heads of one size: AdamW at lr after a linear warm-up of `warmup` updates,
+    constant after (so the network after n updates is the same whichever points follow: one run
+    serves every n), gradients clipped to FT_CLIP, batches from one reshuffle of the training
+    split per pass. `model` is unchanged; the global RNG (dropout's) is restored at the end."""
     (tok, lengths, y), (tok_test, lengths_test, y_test) = train_split, test_split
     width = max(tok.shape[1], tok_test.shape[1])  # one head for both splits: width·d inputs
     g = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng(devices=[]):  # dropout draws from the global RNG: seed, then restore
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         net = copy.deepcopy(model).to(device).train()
         wide = width * net.features(tok[:1].to(device)).shape[-1]
@@ -189,12 +192,12 @@ def finetune(model, train_split, test_split, n_classes, seed, updates=160, lr=3e
         head = torch.nn.Linear(R.shape[1], n_classes).to(device)
         params = list(net.parameters()) + list(head.parameters())
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
-        schedule = argparse.Namespace(lr=lr, steps=updates, schedule="linear", decay_steps=0,
-                                      warmup_steps=max(1, min(warmup, updates // 10)))
+        schedule = argparse.Namespace(lr=lr, steps=math.inf, schedule="const", decay_steps=0,
+                                      warmup_steps=warmup)   # no end: no decay
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: train.lr_at(s, schedule) / lr)
         order = torch.cat([torch.randperm(len(tok), generator=g)
-                           for _ in range(math.ceil(updates * batch_size / len(tok)))])
-        for step in range(updates):
+                           for _ in range(math.ceil(at[-1] * batch_size / len(tok)))])
+        for step in range(at[-1]):
             idx = order[step * batch_size:(step + 1) * batch_size]
             x = concat_features(net, tok[idx], lengths[idx], width, device) @ R
             loss = F.cross_entropy(head(x), y[idx].to(device))
@@ -203,35 +206,44 @@ def finetune(model, train_split, test_split, n_classes, seed, updates=160, lr=3e
             torch.nn.utils.clip_grad_norm_(params, FT_CLIP)
             opt.step()
             sched.step()
-        with torch.no_grad():
-            x_test = concat_features(net.eval(), tok_test, lengths_test, width, device) @ R
-            return head(x_test).argmax(1).eq(y_test.to(device)).cpu()
+            if step + 1 in at:
+                with torch.no_grad():
+                    x_test = concat_features(net.eval(), tok_test, lengths_test, width, device)
+                    yield step + 1, head(x_test @ R).argmax(1).eq(y_test.to(device)).cpu()
+                net.train()
 
 
 def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, proj_dim=train.PROJ_DIM,
                    device="cpu"):
-    """Fine-tuning as a protocol: for every (lr, updates) of FT_LRS x FT_UPDATES, finetune with
-    probe seed 0 on the training split less its last 1/FT_VALID (the validation split, never a
-    test sentence); the checkpoint's own choice is the point of best validation accuracy (ties:
-    fewer updates, then the smaller lr), where seeds 1..n_seeds-1 are then run (a grid per seed
-    would cost n_seeds times as much). -> (per seed the test correctness at the choice, bool
-    [n_test]; the grid [{lr, updates, val_acc, test_acc}] of seed 0; the chosen grid row)."""
+    """Fine-tuning as a protocol: for every lr of FT_LRS, one run of finetune with probe seed 0
+    on the training split less its last 1/FT_VALID (the validation split, never a test sentence),
+    judged at every n of FT_UPDATES until validation accuracy has not risen for FT_PATIENCE of
+    them (early stopping); the checkpoint's own choice is the (lr, n) of best validation
+    accuracy (ties: fewer updates, then the smaller lr), where seeds 1..n_seeds-1 are then run.
+    -> (per seed the test correctness at the choice, bool [n_test]; the grid [{lr, updates,
+    val_acc, test_acc}] of seed 0; the chosen grid row)."""
     n_val = max(1, len(train_split[0]) // FT_VALID)
     fit = tuple(x[:-n_val] for x in train_split)
     judged = tuple(torch.cat([v[-n_val:], t]) for v, t in zip(train_split, test_split))
     grid, correct = [], {}
-    for updates in FT_UPDATES:
-        for lr in FT_LRS:
-            c = finetune(model, fit, judged, n_classes, 0, updates, lr, proj_dim, device=device)
-            correct[lr, updates] = c[n_val:]
-            grid.append({"lr": lr, "updates": updates, "val_acc": c[:n_val].float().mean().item(),
+    for lr in FT_LRS:
+        best_val, since = -1.0, 0
+        for n, c in finetune(model, fit, judged, n_classes, 0, lr, FT_UPDATES, proj_dim,
+                             device=device):
+            correct[lr, n] = c[n_val:]
+            grid.append({"lr": lr, "updates": n, "val_acc": c[:n_val].float().mean().item(),
                          "test_acc": c[n_val:].float().mean().item()})
-            print(f"[finetune] lr {lr:g} x {updates} updates: validation {grid[-1]['val_acc']:.4f}"
-                  f", test {grid[-1]['test_acc']:.4f}", file=sys.stderr, flush=True)
-    best = max(grid, key=lambda r: r["val_acc"])   # the first of equals: fewest updates, lr
+            print(f"[finetune] lr {lr:g} x {n} updates: validation {grid[-1]['val_acc']:.4f}, "
+                  f"test {grid[-1]['test_acc']:.4f}", file=sys.stderr, flush=True)
+            best_val, since = ((grid[-1]["val_acc"], 0) if grid[-1]["val_acc"] > best_val
+                               else (best_val, since + 1))
+            if since == FT_PATIENCE:
+                break
+    best = max(sorted(grid, key=lambda r: (r["updates"], r["lr"])), key=lambda r: r["val_acc"])
+    at = tuple(n for n in FT_UPDATES if n <= best["updates"])
     return [correct[best["lr"], best["updates"]]] + [
-        finetune(model, fit, test_split, n_classes, s, best["updates"], best["lr"], proj_dim,
-                 device=device) for s in range(1, n_seeds)], grid, best
+        list(finetune(model, fit, test_split, n_classes, s, best["lr"], at, proj_dim,
+                      device=device))[-1][1] for s in range(1, n_seeds)], grid, best
 
 
 # ========== §4: flatness against accuracy among models of (nearly) the same pre-training loss
@@ -412,7 +424,8 @@ def probe_settings(step, task, method, n_train, n_test, n_seeds, proj_dim, epoch
     return {"step": int(step), "task": str(task), "method": method, "n_train": n_train,
             "n_test": n_test, "seeds": list(range(n_seeds)), "projection": proj_dim,
             "epochs": None if finetune else epochs or LINEAR_EPOCHS,
-            **({"ft_grid_of": [list(FT_LRS), list(FT_UPDATES), FT_VALID]} if finetune else {})}
+            **({"ft_grid_of": [list(FT_LRS), list(FT_UPDATES), FT_VALID, FT_PATIENCE, FT_WARMUP]}
+               if finetune else {})}
 
 
 # ----------------------------------------------------------------------------- the summary

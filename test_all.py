@@ -4268,12 +4268,20 @@ def test_probe_finetune_learns_first_token_task():
     net = model.build(cfg).eval()
     before = {k: v.clone() for k, v in net.state_dict().items()}
     train_split, short = (tok[128:], lens[128:], y[128:]), lens[:128] < T
-    acc = probe.finetune(net, train_split, (tok[:128], lens[:128], y[:128]), 2, seed=0,
-                         updates=16)
-    assert acc.shape == (128,) and acc.float().mean() >= 0.95, acc
+    (done, acc), = probe.finetune(net, train_split, (tok[:128], lens[:128], y[:128]), 2, seed=0,
+                               at=(16,), warmup=2)
+    assert done == 16 and acc.shape == (128,) and acc.float().mean() >= 0.95, acc
     test_narrow = (tok[:128][short, :T - 1], lens[:128][short], y[:128][short])
-    assert probe.finetune(net, train_split, test_narrow, 2, seed=0, updates=16,
-                          proj_dim=None).float().mean() >= 0.95
+    assert next(probe.finetune(net, train_split, test_narrow, 2, seed=0, at=(16,),
+                               proj_dim=None, warmup=2))[1].float().mean() >= 0.95
+    # judged against random labels after 1-2 small updates, which sentences come out right
+    # depends on the exact weights: a run judged at 1 and 2 is the run to 2, judged at 1
+    test = (tok[:128], lens[:128], torch.randint(0, 2, (128,), generator=g))
+    run = lambda seed, at: [c for _, c in probe.finetune(net, train_split, test, 2, seed, 1e-3,
+                                                        at, warmup=2)]
+    (early, late), (alone,), (other,) = run(0, (1, 2)), run(0, (2,)), run(1, (2,))
+    assert torch.equal(late, alone) and not torch.equal(early, late)
+    assert not torch.equal(other, late)
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())  # model untouched
 
 
@@ -4294,30 +4302,37 @@ def test_probe_sample_efficiency_is_the_area_under_the_curve_on_log_n():
 
 def test_probe_tuned_finetune_chooses_on_the_validation_split(monkeypatch):
     """The protocol around finetune (a stand-in that scores by hand): seed 0 trains on the
-    training split less its last fifth at every grid point, judged on that fifth and the test
-    split; the best validation accuracy wins (ties: fewer updates, then the smaller lr: (3e-2,
-    40) before (1e-3, 160)); the other seeds run at the choice on the test split alone, so no
-    test sentence ever chooses."""
+    training split less its last fifth, one run per lr judged on that fifth and the test split
+    at each FT_UPDATES point until validation has not risen for FT_PATIENCE points; the best
+    validation accuracy wins (ties: fewer updates, then the smaller lr: (3e-2, 40) before (1e-3,
+    160)); the other seeds run at the choice on the test split alone, so no test sentence
+    ever chooses."""
     monkeypatch.setattr(probe, "FT_UPDATES", (40, 160, 640))
+    monkeypatch.setattr(probe, "FT_PATIENCE", 1)
     n_train, n_test = 20, 6
     tok = torch.arange(n_train + n_test)[:, None].repeat(1, 3)       # sentence i: ids i
     split = lambda a, b: (tok[a:b], torch.full((b - a,), 3), torch.zeros(b - a, dtype=torch.long))
-    seen = []
+    runs, judged_at = [], []
 
-    def stand_in(model, fit, judged, n_classes, seed, updates, lr, proj_dim, device="cpu"):
-        seen.append((seed, lr, updates, fit[0][:, 0].tolist(), judged[0][:, 0].tolist()))
-        right = {(1e-2, 40): 2, (3e-2, 40): 4, (1e-3, 160): 4}.get((lr, updates), 0)  # of 4
-        test = torch.full((n_test,), seed == 1)
-        return test if len(judged[0]) == n_test else torch.cat([torch.arange(4) < right, test])
+    def stand_in(model, fit, judged, n_classes, seed, lr, at, proj_dim, device="cpu"):
+        runs.append((seed, lr, at, fit[0][:, 0].tolist(), judged[0][:, 0].tolist()))
+        for n in at:
+            judged_at.append((seed, lr, n))
+            right = {(1e-2, 40): 2, (3e-2, 40): 4, (1e-3, 160): 4}.get((lr, n), 0)   # of 4
+            test = torch.full((n_test,), seed == 1)
+            yield n, test if len(judged[0]) == n_test else torch.cat([torch.arange(4) < right,
+                                                                       test])
     monkeypatch.setattr(probe, "finetune", stand_in)
     by_seed, grid, best = probe.tuned_finetune(None, split(0, n_train), split(n_train, n_train +
                                                                             n_test), 2, 3)
-    n_grid = len(probe.FT_LRS) * len(probe.FT_UPDATES)
-    assert len(grid) == n_grid and len(seen) == n_grid + 2
-    assert all(s[0] == 0 and s[3] == list(range(16)) and s[4] == list(range(16, 26))
-               for s in seen[:n_grid])                      # seed 0: the validation fifth judges
-    assert [s[:3] for s in seen[n_grid:]] == [(1, 3e-2, 40), (2, 3e-2, 40)]
-    assert all(s[4] == list(range(20, 26)) for s in seen[n_grid:])   # then the test split only
+    assert [(s, lr, n) for s, lr, n in judged_at if s == 0] == [
+        (0, 1e-3, 40), (0, 1e-3, 160), (0, 1e-3, 640), (0, 3e-3, 40), (0, 3e-3, 160),
+        (0, 1e-2, 40), (0, 1e-2, 160), (0, 3e-2, 40), (0, 3e-2, 160)]    # stopped runs
+    assert [(r["lr"], r["updates"]) for r in grid] == [x[1:] for x in judged_at[:9]]
+    assert all(r[0] == 0 and r[3] == list(range(16)) and r[4] == list(range(16, 26))
+               for r in runs[:4])                           # seed 0: the validation fifth judges
+    assert [r[:3] for r in runs[4:]] == [(1, 3e-2, (40,)), (2, 3e-2, (40,))]
+    assert all(r[4] == list(range(20, 26)) for r in runs[4:])   # then the test split only
     assert (best["lr"], best["updates"]) == (3e-2, 40) and best["val_acc"] == 1.0
     assert [c.tolist() for c in by_seed] == [[False] * n_test, [True] * n_test, [False] * n_test]
 
@@ -4327,6 +4342,7 @@ def test_probe_finetune_default_recipe_beats_majority_class(tmp_path, monkeypatc
     # HMM, task-3)
     monkeypatch.setattr(probe, "FT_LRS", (3e-3, 1e-2))
     monkeypatch.setattr(probe, "FT_UPDATES", (40, 160))
+    monkeypatch.setattr(probe, "FT_WARMUP", 4)
     lang = data.HMM.random(n_states=6, vocab_size=10, n_blocks=2, length=6, seed=0)
     (tmp_path / "hmm6.json").write_text(json.dumps(lang.spec()))
     train.main(["--lang", str(tmp_path / "hmm6.json"), "--steps", "100", "--batch", "32",
@@ -4334,7 +4350,7 @@ def test_probe_finetune_default_recipe_beats_majority_class(tmp_path, monkeypatc
                 "--ckpt-every", "100", "--threads", "1", "--runs", str(tmp_path), "--name", "ft"])
     ckpt = train.list_checkpoints(str(tmp_path / "ft"))[-1]
     row = probe.probe_checkpoint(ckpt, "3", method="finetune", n_train=2000, n_test=500, n_seeds=1)
-    assert row["ft_choice"]["lr"] == row["lr"] and len(row["ft_grid"]) == 4
+    assert row["ft_choice"]["lr"] == row["lr"] and 2 <= len(row["ft_grid"]) <= 4
     assert row["acc"] == row["ft_choice"]["test_acc"] and row["projection"] == train.PROJ_DIM
     _, (_, _, y_test) = probe.downstream_data(train.load_checkpoint(ckpt)[2], "3", 2000, 500)
     majority = y_test.bincount().max().item() / len(y_test)
@@ -5377,6 +5393,7 @@ def test_bad_input_bench_e1_dose_refuses_in_one_line(tmp_path, env, argv, said):
     ({}, ["floor", "11"], "no run {runs}/dose-s11 (construct it first"),
     ({"AGAINST": "L4H4"}, ["measure", "11"], "no run {runs}/dose-b3-s11"),
     ({"AGAINST": "bogus"}, ["report", "11"], "AGAINST must be later, L4H4 or L8H2, not bogus"),
+    ({"AGAINST": "L4H4"}, ["chain", "11"], "chain takes no AGAINST"),
     ({"LATE": "x"}, ["floor", "11"], "SEED and LATE must be whole numbers"),
     ({}, ["report", "abc"], "SEED and LATE must be whole numbers"),
 ])

@@ -6,6 +6,7 @@ a rescaling-invariant trace beside Tr F and Tr H, every size probed through one 
     python .bench/controls.py floor SEED          # E1's B: a finished floor matching A's KL
     python .bench/controls.py measure SEED        # every measure at the pair (~33 min, 1 core)
     python .bench/controls.py report SEED ...     # per seed, and 95 % t-intervals over seeds
+    python .bench/controls.py chain SEED          # one seed's whole chain, E1 then E2, in order
     LATE=10 python .bench/controls.py ...         # the 7,000-step dose (default 20: 17,000)
     AGAINST=L4H4 python .bench/controls.py ...    # E2: tf-deep's floor against the larger
                                                   # model's checkpoint of nearest KL (or L8H2)
@@ -131,6 +132,20 @@ def measure(seed):
     run([sys.executable, "probe.py", a, b, *common, "--method", "finetune", "--n-train", "500"])
 
 
+def chain(seed):
+    """One seed's whole chain, each step skipping what exists (stop it anywhere, run it again):
+    e1_dose.sh construct, E1's two floors (LATE 10 and 20) and their measures, then the larger
+    models (e1_dose.sh larger: the 4 x 4 and the 8 x 2) and E2's measures."""
+    me, dose = os.path.abspath(__file__), ".bench/e1_dose.sh"
+    run(["bash", dose, "construct", seed], LATE="20", SIZE="")
+    for late in ("10", "20"):
+        run([sys.executable, me, "floor", seed], LATE=late)
+        run([sys.executable, me, "measure", seed], LATE=late)
+    for size in ("L4H4", "L8H2"):
+        run(["bash", dose, "larger", seed], SIZE=size)
+        run([sys.executable, me, "measure", seed], AGAINST=size)
+
+
 def kl_at(ckpt):
     """The evaluation row of a checkpoint's run at its step."""
     step = train.read_checkpoint(ckpt)["step"]
@@ -201,27 +216,28 @@ def report(seeds):
               f"ratio of: {rs or '-'}")
 
 
-def run(argv):
-    """A script of the project, its output shown; its failure a one-line error."""
-    print("$ " + " ".join(argv[1:]), flush=True)
+def run(argv, **env):
+    """A script of the project (with these environment variables), its output shown; its failure
+    a one-line error."""
+    print("$ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *argv[1:]]), flush=True)
     if subprocess.run(argv, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                      env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode:
+                      env={**os.environ, "OMP_NUM_THREADS": "1", **env}).returncode:
         raise ValueError(f"{argv[1]} failed (its message above)")
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     way, seeds = (argv[0], argv[1:]) if argv else (None, [])
-    if way not in ("floor", "measure", "report") or not seeds or (way != "report"
+    if way not in ("floor", "measure", "report", "chain") or not seeds or (way != "report"
                                                                   and len(seeds) > 1):
         sys.exit(__doc__.split("\n\n")[1].rstrip())
     if not all(s.isdigit() for s in seeds) or not LATE.isdigit():
         sys.exit(f"controls.py: error: SEED and LATE must be whole numbers, got {seeds}, {LATE}")
     try:
-        if AGAINST != "later" and way == "floor":
-            raise ValueError("floor builds E1's B; E2's pairs come from e1_dose.sh larger")
+        if AGAINST != "later" and way in ("floor", "chain"):
+            raise ValueError(f"{way} takes no AGAINST: E2's pairs come from e1_dose.sh larger")
         {"floor": lambda: floor(seeds[0]), "measure": lambda: measure(seeds[0]),
-         "report": lambda: report(seeds)}[way]()
+         "report": lambda: report(seeds), "chain": lambda: chain(seeds[0])}[way]()
     except ValueError as e:
         sys.exit(f"controls.py: error: {data.first_line(e)}")
 
