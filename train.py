@@ -26,6 +26,7 @@ calls both, and main.
 import argparse
 import contextlib
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -294,7 +295,6 @@ SIZE_OVERRIDES = {"n_layers": "l", "n_heads": "nh", "lstm_hidden": "h"}
 SIZE_FIELDS_OF_OTHER_ARCH = {"transformer": {"lstm_hidden"}, "lstm": {"n_heads"}}
 # may change on resume: speed and rounding, not the run
 RUNTIME_ARGS = {"threads", "device", "compile", "fused_attention", "precision"}
-PRECISIONS = ("auto", "fp32", "bf16")
 
 
 class ShortHelp(argparse.HelpFormatter):
@@ -326,22 +326,21 @@ POSITIVE, NONNEGATIVE = data.float_flag(0, open_lo=True), data.float_flag(0)   #
 def device_flag(text):
     """An argparse type: a torch device this machine has (cpu, cuda, cuda:1, ...)."""
     try:
-        device = torch.device(text)
+        known = torch.device(text).type in ("cpu", "cuda")
     except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device: cpu or cuda") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
+        known = False
+    if not known:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: cpu or cuda")
+    if text.startswith("cuda") and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError("cuda asked for, but torch.cuda.is_available() is False")
-    if device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"{text!r}: only cpu and cuda are supported")
     return text
 
 
 def parse_args(argv=None):
     """The run's arguments: the command line, or the checkpoint's (merge_stored)."""
     p = argparse.ArgumentParser(usage="python train.py [options]: masked-LM pre-training (paper "
-                                "§2.1-2.3); pydoc train: more",
-                                formatter_class=ShortHelp, add_help=False,
-                                allow_abbrev=False)    # so that `given` sees every flag
+                                "§2.1-2.3); pydoc train: more", formatter_class=ShortHelp,
+                                add_help=False, allow_abbrev=False)  # `given` sees every flag
     p._optionals.title = None                          # --help: the usage line, then the flags
     a = p.add_argument
     a("-h", "--help", action="help", help=argparse.SUPPRESS)
@@ -349,8 +348,7 @@ def parse_args(argv=None):
     a("--lang-seed", type=SEED, default=0, help="seed of the random language (default 0)")
     a("--preset", default="lstm-small", help="model size (python model.py lists them)")
     a("--n-layers", type=SIZE_CAP, help="override the preset's transformer blocks / LSTM layers")
-    a("--n-heads", type=SIZE_CAP, help="override the preset's attention heads (d = head_dim x "
-      "heads)")
+    a("--n-heads", type=SIZE_CAP, help="override the preset's heads (d = head_dim x heads)")
     a("--lstm-hidden", type=SIZE_CAP, help="override the preset's LSTM size per direction (d = 2x)")
     a("--grow-from", metavar="CKPT", help="start from model.grow(CKPT's model) (App. B.1.3)")
     a("--grow-width", type=data.int_flag(1, 64), default=2,
@@ -360,13 +358,10 @@ def parse_args(argv=None):
       " random (default: copies can part) or even")
     a("--algo", default="adamw", choices=ALGOS, metavar="S", help=f"{', '.join(ALGOS)}")
     a("--steps", type=NATURAL, default=3000, help="updates (default 3000; --resume: extends)")
-    a("--batch", type=data.int_flag(1, 2 ** 20), default=256,
-      help="global batch in sentences, split over processes")
+    a("--batch", type=data.int_flag(1, 2 ** 20), default=256, help="global batch, split over ranks")
     a("--lr", type=POSITIVE, default=1e-2, help="peak lr (default 1e-2; the paper's 1e-3)")
-    a("--warmup", type=data.float_flag(0, 0.999999), help="warm-up fraction of --steps "
-      "(default 0.06; sgd 0.12)")
-    a("--schedule", choices=("linear", "const"), metavar="S", help="after warm-up: linear to 0 "
-      "or const (sgd's default)")
+    a("--warmup", type=data.float_flag(0, 0.999999), help="warm-up fraction (0.06; sgd 0.12)")
+    a("--schedule", choices=("linear", "const"), metavar="S", help="linear to 0 or const (sgd)")
     a("--decay-steps", type=NATURAL, default=0, help="const: the last N updates decay to lr 0")
     a("--branch-from", metavar="CKPT", help="a new run: CKPT's, lr to 0 over --decay-steps")
     a("--weight-decay", type=NONNEGATIVE, default=0.01, help="AdamW weight decay (default 0.01)")
@@ -389,8 +384,8 @@ def parse_args(argv=None):
     a("--runs", default="runs", help="parent folder of run directories (default runs/)")
     a("--resume", nargs="?", const="latest", help="continue runs/NAME (or CKPT's run)")
     a("--device", type=device_flag, default="cpu", help="cpu (default) or cuda")
-    a("--precision", default="auto", choices=PRECISIONS, metavar="S", help="matmuls: fp32, bf16 "
-      "(autocast) or auto (default: bf16 on cuda, fp32 on cpu)")
+    a("--precision", default="auto", choices=("auto", "fp32", "bf16"), metavar="S",
+      help="matmuls: fp32, bf16 (autocast) or auto (default: bf16 on cuda only)")
     a("--compile", action=argparse.BooleanOptionalAction, default=False,
       help="torch.compile the model (a resume keeps the run's setting unless given)")
     a("--fused-attention", action=argparse.BooleanOptionalAction, default=False,
@@ -398,10 +393,10 @@ def parse_args(argv=None):
     data.threads_flag(p)
     args = p.parse_args(argv)
     dest = {opt: act.dest for act in p._actions for opt in act.option_strings}
-    given = {dest[f] for f in (str(t).split("=")[0] for t in (sys.argv[1:] if argv is None
-                                                                 else argv)) if f in dest}
-    if args.name is not None and (args.name in ("", ".", "..") or os.sep in args.name
-                                  or "/" in args.name or "\0" in args.name):
+    flags = (str(t).split("=")[0] for t in (sys.argv[1:] if argv is None else argv))
+    given = {dest[f] for f in flags if f in dest}
+    if args.name is not None and (args.name in ("", ".", "..")
+                                  or {os.sep, "/", "\0"} & set(args.name)):
         p.error(f"--name {args.name!r} must name one folder (no '/', not empty, '.' or '..')")
     if args.resume is not None and args.branch_from is not None:
         p.error("--resume continues a run in its folder, --branch-from starts a new one: not both")
@@ -410,8 +405,10 @@ def parse_args(argv=None):
     if args.grow_from is None and {"grow_width", "grow_layers", "grow_split"} & given:
         p.error("--grow-width, --grow-layers and --grow-split need --grow-from CKPT")
     if args.grow_from is not None:
-        clash = [f for f in ("lang", "lang_seed", "preset", *SIZE_OVERRIDES, "dropout")
+        clash = [f for f in ("lang", "lang_seed", "preset", "dropout", *SIZE_OVERRIDES)
                  if f in given]
+
+
         if clash:
             p.error(f"{flag(clash[0])} cannot be combined with --grow-from: the grown model's "
                     f"language and config come from the checkpoint (and --grow-width/-layers)")
@@ -437,8 +434,7 @@ def flag(dest):
 
 
 def check_args(args):
-    """Reject impossible combinations of settings (each flag's range is its argparse type's),
-    all at once, before anything is built or written."""
+    """Reject impossible combinations of flags, all at once, before anything is written."""
     bad = []
     least = 0 if args.grow_from is not None else 1   # --grow-from --steps 0: the grown model only
     if args.steps < least:
@@ -461,8 +457,7 @@ def check_args(args):
 
 
 def build_model(args, lang):
-    """The preset's network for this language, with the sizes --n-layers, --n-heads,
-    --lstm-hidden give (the size sweeps of §2.2, Figs. 2, 5), the same on every rank."""
+    """The preset's network for this language, resized by --n-layers etc. (§2.2, Figs. 2, 5)."""
     V = lang.vocab_size
     overrides = {k: getattr(args, k) for k in SIZE_OVERRIDES if getattr(args, k, None) is not None}
     try:
@@ -481,22 +476,19 @@ def build_model(args, lang):
 
 
 def fits_in_memory(cfg):
-    """Refuse, in one line and before any allocation, a network whose weights, gradients and
-    AdamW moments (16 bytes a parameter) exceed this machine's memory."""
+    """Refuse a network whose weights, gradients and AdamW moments (16 B each) exceed memory."""
     with torch.device("meta"):          # layers 2.. are alike: two layers give the count
         one, two = (model.n_params(model.build(dataclasses.replace(cfg, n_layers=k)))
                     for k in (1, 2))
     n = one + (cfg.n_layers - 1) * (two - one)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if 16 * n > memory:
-        raise SystemExit(f"train.py: the model would have {n:,} parameters, {16 * n / 2**30:.1f} "
-                         f"GiB with AdamW's state, more than this machine's "
-                         f"{memory / 2**30:.1f} GiB: lower {SIZES}")
+        raise SystemExit(f"train.py: {n:,} parameters, {16 * n / 2**30:.1f} GiB with AdamW's "
+                         f"state, more than this machine's {memory / 2**30:.1f} GiB: lower {SIZES}")
 
 
 def grow_model(args):
-    """(grown network in training mode, language, source checkpoint) for --grow-from:
-    model.grow of the source model (App. B.1.3), the same on every rank."""
+    """(model.grow of --grow-from's model (App. B.1.3) in training mode, language, source)."""
     try:
         small, source, lang = load_checkpoint(args.grow_from)
         if source["kind"] != "mlm":
@@ -543,8 +535,7 @@ def setup_distributed(args):
 
 
 def start_state(args, run_dir, lang, cfg, world):
-    """The checkpoint this run starts from (--resume, --branch-from; None for a new run),
-    checked against this run's language, model and number of processes: runs never mix."""
+    """The checkpoint to start from (None: a new run), of this language, model and world size."""
     if args.resume is None and list_checkpoints(run_dir):
         raise SystemExit(f"train.py: {run_dir} already holds checkpoints; pass --resume to "
                          f"continue that run, or --name NEW for a new one")
@@ -565,8 +556,7 @@ def start_state(args, run_dir, lang, cfg, world):
 
 
 def start_run(args):
-    """The Run (language, network, optimizer, start state) and its folder; None when there is
-    nothing to train (a lookup table is written instead, or the run is complete)."""
+    """The Run and its folder; None when there is nothing to train (lookup, or run complete)."""
     if args.grow_from is None:
         lang = data.build_language(args.lang, args.lang_seed)
     elif args.resume is None and args.branch_from is None:
@@ -579,8 +569,8 @@ def start_run(args):
     run_dir = os.path.join(args.runs, args.name)
     net = None if args.algo == "lookup" else grown if args.grow_from else build_model(args, lang)
     ckpt = start_state(args, run_dir, lang, None if net is None else net.config, world)
-    if ckpt is not None and args.resume is not None and (net is None
-                                                         or ckpt["step"] >= args.steps):
+    if args.resume is not None and (net is None or ckpt["step"] >= args.steps):
+
         print(f"{run_dir} is complete: {args.resume} is at step {ckpt['step']} of {args.steps} "
               f"(--steps N, larger, extends a --schedule const run)")
         return None
@@ -624,22 +614,22 @@ def start_run(args):
             print("train.py: this CPU has bf16 units: --precision bf16 trains faster" if has else
                   "train.py: this CPU has no bf16 units: bf16 is emulated, likely slower than "
                   "fp32", file=sys.stderr)
-    if args.grow_from is not None and ckpt is None and rank == 0:
-        write_grown(run, source)
+    if args.grow_from is not None and ckpt is None and rank == 0:    # step 0 (App. B.1.3)
+        row = write_step_0(run_dir, net, ev, lang.vocab_size, device)
+        save(run)
+        print(f"grew {args.grow_from} (step {source['step']}): eval kl {row['kl']:.6f}", flush=True)
         run.t_window = time.time()              # tokens/s of the first row: training time only
     return run
 
 
 def write_row(run, is_eval, start_step):
-    """A metrics.jsonl row and its progress line: the training loss since the last row (over
-    all ranks), the lr, throughput and wall time, and on eval steps the exact KL (App. A.4)."""
+    """A metrics.jsonl row and its progress line; on eval steps with the exact KL (App. A.4)."""
     args, now, w = run.args, time.time(), run.window
     sums = torch.tensor([w.loss, w.updates, w.adv_loss], dtype=torch.float64)
     if run.world > 1:
         dist.all_reduce(sums)
         sums /= run.world
-    row = {"step": run.step, "loss": float(sums[0] / sums[1]),
-           "lr": run.opt.param_groups[0]["lr"],
+    row = {"step": run.step, "loss": float(sums[0] / sums[1]), "lr": run.opt.param_groups[0]["lr"],
            "tokens_per_s": run.tokens_window / (now - run.t_window),
            "wall": run.wall0 + now - run.t_start}
     if args.algo == "adversarial":
@@ -650,8 +640,8 @@ def write_row(run, is_eval, start_step):
             row.update(evaluate(run.net, run.ev, run.lang.vocab_size, run.device))
         data.append_line(os.path.join(run.dir, "metrics.jsonl"), json.dumps(row))
         eta = (now - run.t_start) / (run.step - start_step) * (args.steps - run.step)
-        extra = f" | kl {row['kl']:.4f}" if "kl" in row else ""
-        extra += f" | adv_loss {row['adv_loss']:.4f}" if "adv_loss" in row else ""
+        extra = "".join(f" | {k} {row[k]:.4f}" for k in ("kl", "adv_loss") if k in row)
+
         print(f"step {run.step:7d}/{args.steps} | loss {row['loss']:.4f}{extra} | "
               f"lr {row['lr']:.1e} | {row['tokens_per_s'] / 1e3:5.0f}k tok/s | "
               f"{fmt_time(row['wall'])} elapsed, ETA {fmt_time(eta)}", flush=True)
@@ -660,8 +650,7 @@ def write_row(run, is_eval, start_step):
 
 def write_step_0(run_dir, net, ev, V, device="cpu", **extra):
     """The step-0 metrics row of an untrained model (a lookup table, a grown model)."""
-    print(f"step 0: the exact KL of the untrained model on {len(ev.pos):,} eval rows ...",
-          flush=True)
+    print(f"step 0: the exact KL of the untrained model on {len(ev.pos):,} eval rows", flush=True)
     t0 = time.time()
     row = {"step": 0, "loss": None, "lr": 0.0, "tokens_per_s": 0.0, "wall": 0.0,
            **evaluate(net, ev, V, device), **extra}
@@ -678,27 +667,14 @@ def write_lookup(args, lang, run_dir, ev):
     print(f"lookup table: kl {row['kl']:.1e}; wrote {ckpt_path(run_dir, 0)}")
 
 
-def write_grown(run, source):
-    """Step 0 of a --grow-from run (App. B.1.3): the grown model's eval row and checkpoint."""
-    row = write_step_0(run.dir, run.net, run.ev, run.lang.vocab_size, run.device)
-    save(run)
-    print(f"grew {run.args.grow_from} (step {source['step']}): eval kl {row['kl']:.6f}", flush=True)
-
-
-def already_measured(path, row):
-    """Whether the rows file `path` (hessian.jsonl, probe.jsonl) holds a row with the entries of
-    `row` (a checkpoint's step and the settings that made it)."""
-    return any(all(r.get(k) == v for k, v in row.items()) for r in data.read_rows(path))
-
-
 def measure_checkpoints(paths, rows, settings_of, measure, written, shown=lambda row: row):
-    """The loop of hessian.py and probe.py, inside measuring_rows: settings_of(path) (its step
-    and settings; it reads the file) of every checkpoint before any write, then measure(path)'s
-    row (None: none) appended to its run's `rows` file and shown, unless already_measured."""
-    todo = [(path, settings_of(path)) for path in paths]
-    for path, settings in todo:
+    """The loop of hessian.py and probe.py: settings_of(path) (its step and settings) of every
+    checkpoint before any write, then measure(path)'s row (None: none) appended to its run's
+    `rows` file and shown, unless a row there has those settings already."""
+    for path, settings in [(path, settings_of(path)) for path in paths]:    # every file read first
+
         out = os.path.join(os.path.dirname(path) or ".", rows)
-        if already_measured(out, settings):
+        if any(all(r.get(k) == v for k, v in settings.items()) for r in data.read_rows(out)):
             print(f"{path}: in {out} with these settings already: skipped", file=sys.stderr)
             continue
         row = measure(path)
@@ -729,9 +705,8 @@ def fmt_time(s):
 
 @contextlib.contextmanager
 def deferred_interrupts():
-    """Ctrl-C and SIGTERM (preemption) only set a flag (a list, yielded), checked between
-    updates, so that the checkpoint written on the way out holds whole updates; later signals
-    are ignored, so none can cut that checkpoint, nor the exit after it, short."""
+    """Ctrl-C and SIGTERM only set a flag (a list, yielded), checked between updates, so the last
+    checkpoint holds whole updates; later signals are ignored, so none can cut it short."""
     stop = []
     old = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum))
            for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -751,8 +726,7 @@ def cpu_has_bf16():
 
 
 def stream_seed(seed, stream, *keys):
-    """A 63-bit seed for stream `stream` (STREAMS) at (seed, *keys), e.g. (seed, step, rank):
-    the run is a function of its arguments (resuming needs no sampler state)."""
+    """A 63-bit seed for `stream` (STREAMS) at (seed, *keys): resuming needs no sampler state."""
     ss = np.random.SeedSequence([int(seed), STREAMS[stream], *[int(k) for k in keys]])
     return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
 
@@ -783,14 +757,11 @@ def ckpt_path(run_dir, step):
 
 def list_checkpoints(run_dir):
     """Checkpoint paths of a run directory, oldest first."""
-    names = sorted(f for f in (os.listdir(run_dir) if os.path.isdir(run_dir) else [])
-                   if f.startswith("ckpt_") and f.endswith(".pt"))
-    return [os.path.join(run_dir, f) for f in names]
+    return sorted(glob.glob(os.path.join(glob.escape(run_dir), "ckpt_*.pt")))
 
 
 def lock_run_folder(run_dir):
-    """Hold an exclusive lock on runs/NAME/.lock until train() returns, or refuse: two
-    processes writing one run folder would interleave their rows and checkpoints."""
+    """Lock runs/NAME/.lock until train() returns, or refuse: two writers would interleave."""
     try:
         import fcntl                              # POSIX; elsewhere runs are not locked
     except ImportError:
@@ -812,18 +783,17 @@ _LOCKS = []
 
 
 def missing_checkpoints(paths, rows=None):
-    """One-line errors: the paths among `paths` that are not files, and (with `rows`, the file
-    hessian.py or probe.py appends to in each checkpoint's folder) the folders it cannot write."""
+    """One-line errors: the paths that are not files, and the folders where the `rows` file
+    (hessian.jsonl, probe.jsonl) cannot be written."""
     missing = [str(p) for p in paths if not os.path.isfile(p)]
-    return [f"no checkpoint file {', '.join(missing)} (train.py writes runs/NAME/ckpt_*.pt)"
-            ] * bool(missing) + [m for folder in sorted({os.path.dirname(p) for p in paths})
-                                 for m in [rows and data.unwritable(os.path.join(folder, rows),
-                                                                    "the output")] if m]
+    bad = [f"no checkpoint file {', '.join(missing)} (train.py writes runs/NAME/ckpt_*.pt)"]
+    folders = sorted({os.path.dirname(p) for p in paths}) if rows else []
+    unwritable = [data.unwritable(os.path.join(folder, rows), "the output") for folder in folders]
+    return bad[:len(missing) > 0] + [m for m in unwritable if m]
 
 
 def read_checkpoint(path, device="cpu"):
-    """The checkpoint dict in file `path` (weights_only=True: no code runs), or a one-line
-    FileNotFoundError / ValueError naming the file."""
+    """The checkpoint dict in `path` (weights_only: no code runs), or a one-line error."""
     if not os.path.isfile(path):
         raise FileNotFoundError(missing_checkpoints([path])[0])
     try:
@@ -867,10 +837,8 @@ def load_checkpoint(path, device="cpu"):
 # ------------------------------------------------------------------------------- resume and branch
 
 def merge_stored(args, given):
-    """--resume and --branch-from: the checkpoint's stored arguments. --resume continues a run
-    in its folder, or extends a --schedule const run with --steps N. Only RUNTIME_ARGS (kept
-    unless given), --steps and (a branch) --decay-steps, --name and the logging periods may be
-    given; another flag that differs from its stored value is refused."""
+    """--resume and --branch-from: the checkpoint's stored arguments, of which only RUNTIME_ARGS,
+    --steps and (a branch) --decay-steps, --name and the logging periods may change."""
     what = "--resume" if args.branch_from is None else "--branch-from"
     path = args.branch_from if args.branch_from is not None else args.resume
     if path == "latest":
@@ -887,12 +855,13 @@ def merge_stored(args, given):
     if ckpt["kind"] != "mlm" and args.branch_from is not None:
         raise SystemExit(f"train.py: --branch-from {path}: a {ckpt['kind']!r} checkpoint has "
                          f"no network to train on")
+
+
     stored = dict(ckpt["args"])
     older = [flag(k) for k in vars(args) if k not in stored] + ["world"] * ("world" not in ckpt)
     if older:                            # flags this release has and the checkpoint's lacks
         raise SystemExit(f"train.py: {what} {path}: written by an earlier release of train.py "
-                         f"(no {', '.join(older[:3])}), which this one cannot continue; start a "
-                         f"new run")
+                         f"(no {', '.join(older[:3])}), which this one cannot continue: start anew")
     may_change = set(RUNTIME_ARGS) | {"steps", "name"}
     if args.branch_from is not None:
         may_change |= {"decay_steps", "eval_every", "log_every", "ckpt_every", "runs"}
@@ -907,8 +876,7 @@ def merge_stored(args, given):
     if args.branch_from is not None:
         return branch_args(merged, args, given, ckpt)
     merged.resume = path
-    merged.runs = os.path.dirname(os.path.dirname(os.path.abspath(path)))
-    merged.name = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    merged.runs, merged.name = os.path.split(os.path.dirname(os.path.abspath(path)))
     if "steps" in given and args.steps != stored["steps"]:
         if args.steps < ckpt["step"]:
             raise SystemExit(f"train.py: --resume {path}: the checkpoint is at step "
@@ -916,16 +884,15 @@ def merge_stored(args, given):
         if args.steps > stored["steps"] and (stored["schedule"] == "linear"
                                              or stored["decay_steps"]):
             raise SystemExit(f"train.py: --resume {path}: the run's lr decays to 0 at its step "
-                             f"{stored['steps']}, so it cannot be extended; extend a --schedule "
-                             f"const run, and decay it with --branch-from")
+                             f"{stored['steps']}, so it cannot be extended (a const run can)")
+
         merged.steps = args.steps
     return merged
 
 
 def branch_args(merged, args, given, ckpt):
-    """A decay branch: the source run continued from its step S (weights, AdamW moments, data
-    stream) to S + --decay-steps N with the lr decayed linearly to 0, in a new run folder; it
-    settles at the floor of the loss valley (warmup-stable-decay)."""
+    """A decay branch: the source run from its step S to S + --decay-steps N, lr decayed linearly
+    to 0, in a new run folder (warmup-stable-decay: it settles at the floor of the loss valley)."""
     step, n = ckpt["step"], args.decay_steps
     if merged.schedule != "const" or merged.decay_steps:
         raise SystemExit(f"train.py: --branch-from {args.branch_from}: its run's learning rate "
@@ -1036,6 +1003,8 @@ def one_update(run):
     amp = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16(args, device)
            else contextlib.nullcontext())
     with amp:
+
+
         loss, total, adv = training_objective(
             run.objective, inputs.to(device), targets.to(device), run.lang.vocab_size, args,
             task_tokens, task_labels, n_classes, generator(args.seed, "proj", step, run.rank))
@@ -1055,11 +1024,12 @@ def one_update(run):
 
 
 def bf16(args, device):
-    """Whether the training step runs under bf16 autocast (--precision): matmuls in bf16; the
-    loss, LayerNorm, softmax, the weights and AdamW's moments stay fp32. "auto" means bf16 on CUDA
-    only (a CPU without bf16 units emulates it, slower than fp32). Exact quantities (evaluate's
-    KL, hessian.py, probe.py's features, data.py) never autocast: bf16's relative error, 4e-3,
-    is on the scale of the KLs they resolve."""
+    """Whether the training step autocasts to bf16 (--precision; "auto": on CUDA only): matmuls
+    in bf16, the weights and AdamW's moments fp32. Exact quantities (the KL, hessian.py, probe.py,
+    data.py) never autocast: bf16's relative error, 4e-3, is on the scale of their KLs."""
+
+
+
     return args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
 
 
