@@ -10,8 +10,7 @@ checkpoints store; language_from_spec). Words are 0..V-1, then mask_id(V) and pa
 Reading order: mask_one; hmm_forward_backward, hmm_state_posterior, HMM; inside, outside,
 pcfg_conditional, PCFG; mlm_entropy; the samplers and the random grammar they call; LANGUAGES.
 After the plumbing banner: validation, and the command line with what the later scripts share
-of it (flag types, whole writes and appends, the JSON rows reader, data.command's one-line
-exits).
+of it (flag types, whole writes and appends, the JSON rows reader, one-line exits).
 
 Run (prints the language, its tasks and optimal MLM loss; writes sentences, task labels and
 the spec, read back by torch.load(FILE, weights_only=True)):
@@ -147,8 +146,8 @@ class HMM:
         (numpy, `seed`; below 1: sparse, peaked rows); init uniform."""
         if not (1 <= n_blocks <= min(n_states, vocab_size) and min(trans_concentration,
                                                                      emit_concentration) > 0):
-            raise ValueError("HMM.random: need 1 <= n_blocks <= min(n_states, vocab_size) and "
-                             "concentrations > 0")
+            raise ValueError("HMM.random: need 1 <= n_blocks <= min(S, V), concentrations > 0")
+
         rng = np.random.default_rng(seed)
         states = np.array_split(np.arange(n_states), n_blocks)
         words = np.array_split(np.arange(vocab_size), n_blocks)
@@ -194,8 +193,7 @@ class HMM:
         return self._posterior(hmm_state_posterior, tokens, lengths)[0]
 
     def _posterior(self, posterior, tokens, lengths):
-        """(posterior(...) given the words neither masked nor past the length, valid [n, T]);
-        a sentence with a NaN row (its other words impossible there) is a ValueError."""
+        """(posterior(...) of the observed words, valid [n, T]); a ValueError if Pr(x_-t) = 0."""
         tokens, lengths, valid = _check_sentences("HMM", tokens, lengths, self.vocab_size)
         observed = valid & (tokens != mask_id(self.vocab_size))
         p = posterior(self.init, self.trans, self.emit, torch.where(observed, tokens, 0), observed)
@@ -350,11 +348,11 @@ class PCFG:
         1 - p_lexical) and emits one of `upper_words` words (not the root level); last-level
         symbols emit `words_per_symbol` (default V/4) words, Dirichlet(0.5) (numpy, `seed`)."""
         wps = int(vocab_size) // 4 if words_per_symbol is None else int(words_per_symbol)
-        origin = {"random": dict(n_symbols=int(n_symbols), vocab_size=int(vocab_size),
-                                 seed=int(seed), n_levels=int(n_levels),
-                                 rules_per_symbol=int(rules_per_symbol),
-                                 p_lexical=float(p_lexical), words_per_symbol=wps,
-                                 upper_words=int(upper_words))}
+        origin = {"random": dict(
+            n_symbols=int(n_symbols), vocab_size=int(vocab_size), seed=int(seed),
+            n_levels=int(n_levels), rules_per_symbol=int(rules_per_symbol),
+            p_lexical=float(p_lexical), words_per_symbol=wps, upper_words=int(upper_words))}
+
         root, binary, lexical = _layered_grammar(max_len=max_len, **origin["random"])
         return cls(root, binary, lexical, max_len=max_len, origin=origin, span_tasks=span_tasks)
 
@@ -370,11 +368,12 @@ class PCFG:
         defaults. Every tree is full binary: sentences have 2^n_levels words (numpy, `seed`)."""
         v, m, k = int(n_per_level), int(rules_per_symbol), int(words_per_symbol)
         depth = int(n_levels)
+
         V = v if vocab_size is None else int(vocab_size)
-        if not (v >= 1 and 1 <= m <= v and 1 <= depth <= 5 and 1 <= k <= V):
-            raise ValueError(f"PCFG.hierarchy: need n_per_level >= 1, 1 <= rules_per_symbol <= "
-                             f"n_per_level (distinct pairs), 1 <= n_levels <= 5, 1 <= "
-                             f"words_per_symbol <= vocab_size; got {v}, {m}, {depth}, {k}, {V}")
+        if not (1 <= m <= v and 1 <= depth <= 5 and 1 <= k <= V):        # distinct pairs: m <= v
+            raise ValueError(f"PCFG.hierarchy: need 1 <= rules_per_symbol <= n_per_level, 1 <= "
+                             f"n_levels <= 5, 1 <= words_per_symbol <= vocab_size; got {v}, {m}, "
+                             f"{depth}, {k}, {V}")
         origin = {"hierarchy": dict(n_per_level=v, rules_per_symbol=m, n_levels=depth,
                                     words_per_symbol=k, vocab_size=V, seed=int(seed))}
         rng = np.random.default_rng(seed)
@@ -496,8 +495,7 @@ class PCFG:
         return self.TASK_SPAN.get(task)
 
     def spec(self):
-        """Plain-Python description (rules as [A, B, C, p] and [A, w, p]);
-        language_from_spec(spec) rebuilds this grammar exactly."""
+        """Plain-Python description (rules [A, B, C, p], [A, w, p]): language_from_spec's input."""
         b = self.binary.nonzero()
         lx = self.lexical.nonzero()
         return {"kind": "pcfg", "n_symbols": self.n_symbols, "vocab_size": self.vocab_size,
@@ -720,8 +718,7 @@ def _as_float64(x, name):
 
 
 def _check_sentences(who, tokens, lengths, V):
-    """(tokens [n, T] long, lengths [n] long, valid [n, T]) of a batch, or a ValueError. lengths
-    None means all T; inside its length a sentence holds words 0..V-1 or mask_id(V)."""
+    """(tokens, lengths (None: all T), valid [n, T]) of a batch of words or masks, or ValueError."""
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     if tokens.dim() != 2:
         raise ValueError(f"{who}: tokens must be [n, T]; got shape {list(tokens.shape)}")
@@ -762,8 +759,8 @@ def _check_rows(m, row_name, tol):
 
 
 def _checked_hmm(init, trans, emit, length):
-    """(init, trans, emit) of an HMM as float64 tensors, or a ValueError saying what is wrong.
-    Rows off 1 by more than rounding are renormalised, so spec() round-trips exactly."""
+    """(init, trans, emit) as float64 tensors, rows renormalised (spec() round-trips), or a
+    ValueError saying what is wrong."""
     init, trans, emit = (_as_float64(init, "HMM init"), _as_float64(trans, "HMM trans"),
                          _as_float64(emit, "HMM emit"))
     S = init.numel()
@@ -781,8 +778,7 @@ def _checked_hmm(init, trans, emit, length):
 
 
 def _check_grammar(root, binary, lexical, symbols, words, tol):
-    """Raise ValueError unless root [S], binary [S,S,S], lexical [S,V] are a CNF grammar:
-    shapes, and root and each symbol's rules probability distributions within tol."""
+    """Raise ValueError unless root [S], binary [S,S,S], lexical [S,V] are a CNF grammar."""
     S = root.shape[0] if root.dim() == 1 else 0
     if S == 0 or binary.shape != (S, S, S) or lexical.dim() != 2 or lexical.shape[0] != S \
             or lexical.shape[1] == 0:
@@ -814,8 +810,7 @@ SEED_MAX = 2**32 - 1  # numpy's largest seed
 
 
 def int_flag(lo, hi=None):
-    """An argparse type: an integer in lo..hi (no upper bound if hi is None); anything else is a
-    one-line usage error naming the flag, before any work (train.py, hessian.py, probe.py)."""
+    """An argparse type: an integer in lo..hi (None: no upper bound), else a usage error."""
     def integer(text):
         try:
             value = int(text)
@@ -847,9 +842,8 @@ def float_flag(lo=None, hi=None, open_lo=False):
 
 
 def write_whole(path, write, mode="wb"):
-    """Write a file whole or not at all: write(f) into path + ".tmp", then rename it over
-    `path`; on any failure (a full disk, a file-size limit, Ctrl-C) the temporary file is
-    removed and the error re-raised: an older `path` stays as it was."""
+    """Write a file whole or not at all: write(f) into path + ".tmp", renamed over `path`; on any
+    failure (a full disk, Ctrl-C) the temporary file is removed: an older `path` stays."""
     tmp = f"{path}.tmp"
     try:
         with open(tmp, mode) as f:
@@ -864,9 +858,8 @@ def write_whole(path, write, mode="wb"):
 
 
 def append_line(path, line):
-    """Append one line (a JSON row) in one write; on failure the file is cut back to its old
-    length, so no half row is left (a full disk, a file-size limit, a signal). A last line cut
-    short before (by a killed process) is removed first, so the new row starts a line."""
+    """Append one line (a JSON row) whole or not at all (on failure the file is cut back); a
+    last line cut short before (by a killed process) is removed first."""
     with open(path, "ab+", buffering=0) as f:                  # reads anywhere, writes at the end
         size = f.seek(0, os.SEEK_END)
         f.seek(max(size - 1, 0))
@@ -888,8 +881,7 @@ def append_line(path, line):
 
 
 def save_whole(path, obj):
-    """torch.save(obj) to `path` whole or not at all (write_whole); serialised in memory first,
-    as torch.save would hide a failed write in a RuntimeError."""
+    """torch.save(obj) to `path` by write_whole (torch.save would hide a failed write)."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     write_whole(path, lambda f: f.write(buffer.getbuffer()))
@@ -907,10 +899,8 @@ def first_line(e):
 
 
 def command(script, body, sizes, saved):
-    """Run body() as `script`'s command line, every way it can fail ending in one line: a bad
-    input (ValueError, FileNotFoundError), a failed write (OSError), a failed allocation (lower
-    the flags `sizes`), Ctrl-C or SIGTERM. saved() says what is saved and how to go on: every
-    file is written whole (write_whole, append_line), so none is left half-written."""
+    """Run body() as `script`'s command line, every failure (bad input, failed write or
+    allocation: lower `sizes`, Ctrl-C, SIGTERM) one line; saved() says what is saved."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)        # SIGTERM as Ctrl-C
     try:
         return body()
@@ -919,13 +909,10 @@ def command(script, body, sizes, saved):
         sys.exit(f"{script}: interrupted; {saved()}")
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"{script}: error: {first_line(e)}")
-    except MemoryError as e:
-        sys.exit(f"{script}: cannot allocate memory ({first_line(e) or 'MemoryError'}): lower "
-                 f"{sizes}; {saved()}")
-    except RuntimeError as e:
-        if "alloc" not in str(e):                                    # not a memory error: a bug
+    except (MemoryError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "alloc" not in str(e):    # not a memory error: a bug
             raise
-        said = first_line(e)
+        said = first_line(e) or "MemoryError"
         said = said if len(said) <= 80 else said[:80].rsplit(" ", 1)[0] + " ..."   # whole words
         sys.exit(f"{script}: cannot allocate memory ({said}): lower {sizes}; {saved()}")
     except OSError as e:              # a full disk, a file-size limit, a folder refusing writes
@@ -934,10 +921,8 @@ def command(script, body, sizes, saved):
 
 
 def read_rows(path, needs=("step",)):
-    """The rows of a JSON-lines file written by append_line ([] if there is none). A last line
-    cut short (a process killed mid-write) is dropped with a note; any other line that is not a
-    JSON object with the keys `needs` (a whole-number step) is a one-line ValueError naming the
-    file and line."""
+    """The rows of a JSON-lines file ([] if none); a last line cut short is dropped, another that
+    is not an object with the keys `needs` (a whole-number step) is a one-line ValueError."""
     if not os.path.exists(path):
         return []
     try:
@@ -964,8 +949,7 @@ def read_rows(path, needs=("step",)):
 
 
 def unwritable(path, flag, folder=False):
-    """Why `path` (a file; with folder=True a folder, created if missing) cannot be written, as
-    a message naming `flag`, or None: every output is checked before any work is done."""
+    """Why file (or folder) `path` cannot be written, a message naming `flag`, or None."""
     path = os.path.abspath(path)
     if os.path.exists(path) and os.path.isdir(path) != folder:
         return f"{flag} {path} is a {'file' if folder else 'folder'}; it must be a " \
@@ -984,16 +968,21 @@ def _not_data_file(path):
     """A message if `path` is a file that main() did not write (a checkpoint, say), else None."""
     if not os.path.isfile(path):
         return None
-    try:
+    with contextlib.suppress(Exception):                     # an unreadable file is not ours
         old = torch.load(path, weights_only=True)
-    except Exception:
-        old = None
-    if isinstance(old, dict) and {"spec", "tokens", "lengths", "labels"} <= set(old):
-        return None
+        if isinstance(old, dict) and {"spec", "tokens", "lengths", "labels"} <= set(old):
+            return None
     return f"--out {path} exists and is not a data.py file; give another name (nothing written)"
 
 
-def _parser():
+def main(argv=None):
+    """Command line (App. A.1): sample one language's sentences, task labels and spec."""
+    command("data.py", lambda: sample_to_file(argv), "--n or the language's size",
+            lambda: "nothing written (--out is written whole at the end); run it again")
+
+
+def sample_to_file(argv=None):
+    """main() without its one-line exits."""
     p = argparse.ArgumentParser(description="Sample a synthetic language (App. A.1): sentences, "
                                 "task labels and the generator's spec, for torch.load(FILE, "
                                 "weights_only=True).")
@@ -1005,19 +994,8 @@ def _parser():
     a("--conditionals", action="store_true",
       help="also store the exact conditionals Pr(x_t | x_-t) [n, T, V] (large)")
     threads_flag(p)
-    return p
-
-
-def main(argv=None):
-    """Command line (App. A.1): sample one language's sentences, task labels and spec."""
-    command("data.py", lambda: sample_to_file(argv), "--n or the language's size",
-            lambda: "nothing written (--out is written whole at the end); run it again")
-
-
-def sample_to_file(argv=None):
-    """main() without its one-line exits."""
-    p = _parser()
     args = p.parse_args(argv)
+
     torch.set_num_threads(args.threads)
     bad = unwritable(args.out, "--out") or _not_data_file(args.out)
     if bad:  # before any sampling: a bad --out would otherwise fail after minutes of work
