@@ -3,8 +3,9 @@
 Reading order:
   trace_hessian        App. B.2's unbiased estimate of Tr[∇²L], used for every checkpoint (§4)
   sq_grad_norms        the per-sample squared gradient norms it averages (torch.func.vmap)
-  adaptive_trace       the same trace in scale-free coordinates, beside weight_norms (§4's
-                       "flatter" checked against rescaling, Dinh et al. 2017)
+  adaptive_trace       the trace in coordinates rescaling cannot change (Dinh et al. 2017)
+  weight_norms         the scale a trace is measured at
+
   fisher_gap           what that estimate leaves out away from saturation (Hutchinson probes)
   gradient_covariance  Lemma 3.2 (noise covariance = Hessian at a minimiser) on a toy softmax
   sgd_demo             Theorem 3.3: SGD drifts along the minimisers towards a smaller trace
@@ -19,8 +20,8 @@ that torch.func and double backward need, and the command line. Every measure ru
 
 Each checkpoint prints and appends to runs/NAME/hessian.jsonl one JSON row (trace, trace_std,
 adaptive_trace, weight_norm and weight_norms per tensor kind, loss, settings); one there with the
-same settings is skipped, so an interrupted command is continued by running it again. (.bench/flatness_measures.py adds the extreme eigenvalues and SAM
-sharpness.)
+same settings is skipped, so an interrupted command is continued by running it again.
+(.bench/flatness_measures.py adds the extreme eigenvalues and SAM sharpness.)
 """
 import argparse
 import contextlib
@@ -63,8 +64,7 @@ def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0):
     mean and the std (ddof=1) of the repetitions, as the paper reports; the model is unchanged.
     """
     if n_samples < 1 or n_repeats < 2:
-        raise ValueError(f"need n_samples >= 1 and n_repeats >= 2 (a std needs two repetitions), "
-                         f"got {n_samples}, {n_repeats}")
+        raise ValueError(f"need n_samples >= 1, n_repeats >= 2 (a std): {n_samples}, {n_repeats}")
     if inputs.dim() != 2 or positions.shape != inputs.shape[:1]:
         raise ValueError(f"inputs must be [N, T] and positions [N]; got {tuple(inputs.shape)}, "
                          f"{tuple(positions.shape)}")
@@ -336,8 +336,7 @@ def _params_and_buffers(net):
     rest = {k: v.detach() for k, v in net.named_parameters() if not v.requires_grad}
     rest.update(dict(net.named_buffers()))
     if not params:
-        raise ValueError("model has no trainable parameters (a lookup table?): "
-                         "no Hessian to measure")
+        raise ValueError("model has no trainable parameters (a lookup table?): no Hessian")
     return params, rest
 
 
@@ -352,8 +351,9 @@ class FunctionalLSTM(nn.Module):
     def __init__(self, lstm):
         super().__init__()
         if lstm.proj_size or not lstm.bias or not lstm.batch_first:
-            raise ValueError("FunctionalLSTM supports nn.LSTM(batch_first=True, bias=True, "
-                             "proj_size=0) only")
+            raise ValueError("FunctionalLSTM: nn.LSTM(batch_first=True, bias=True) only")
+
+
         self.num_layers, self.hidden_size = lstm.num_layers, lstm.hidden_size
         self.bidirectional = lstm.bidirectional
         for name, p in lstm.named_parameters():
@@ -366,8 +366,7 @@ class FunctionalLSTM(nn.Module):
         w_hh = getattr(self, f"weight_hh_l{layer}{suffix}")
         b = getattr(self, f"bias_ih_l{layer}{suffix}") + getattr(self, f"bias_hh_l{layer}{suffix}")
         xw = x @ w_ih.T + b                                        # (B, T, 4H)
-        h = x.new_zeros(x.shape[0], self.hidden_size)
-        c = x.new_zeros(x.shape[0], self.hidden_size)
+        h = c = x.new_zeros(x.shape[0], self.hidden_size)                # states start at zero
         steps = range(x.shape[1] - 1, -1, -1) if suffix else range(x.shape[1])
         outs = [None] * x.shape[1]
         for t in steps:
@@ -447,8 +446,8 @@ def measure_checkpoint(path, args):
     with torch.no_grad(), measuring(net):
         row["loss"] = pretraining_loss(net, inputs, positions, targets).item()
     row.update(measured_settings(args), seed=DRAW_SEED, sentence_seed=SENTENCE_SEED,
-               n_params=model_lib.n_params(net),
-               wall_s=round(time.time() - t0, 2))
+               n_params=model_lib.n_params(net), wall_s=round(time.time() - t0, 2))
+
     return row
 
 
@@ -511,8 +510,8 @@ def measure(args, written):
             gap = (gradient_covariance(theta, *shapes, pi, p_true)
                    - population_hessian(theta, *shapes, pi, p_true)).abs().max().item()
             print(f"Lemma 3.2 {where}: max |Cov[∇ℓ] - ∇²L| = {gap:.1e}")
-        print("Theorem 3.3: SGD (fresh samples, lr 0.05, batch 1) on softmax(A B), started at the "
-              "unbalanced minimiser (2 A*, B*/2)")
+        print("Theorem 3.3: SGD (lr 0.05, batch 1) from the unbalanced minimiser (2 A*, B*/2)")
+
         print(f"{'step':>8} {'loss-entropy':>14} {'Tr[∇²L]':>10}")
         rows = sgd_demo(log=print)
         print(f"Tr[∇²L] {rows[0][2]:.3f} -> {rows[-1][2]:.3f} while |loss - entropy| <= "
