@@ -14,7 +14,8 @@ Interface (used by train.py, hessian.py, probe.py):
 
 Reading order: ModelConfig and PRESETS (the sizes), attention and the transformer's blocks, the
 LSTM, grow; then the plumbing (the fused attention of FUSED_ATTENTION, initialisation, padding
-mask, config_from_preset and the preset listing). .bench/check_grow.py measures grow() against the paper's zero-filled blocks.
+mask, config_from_preset and the preset listing). .bench/check_grow.py measures grow() against
+the paper's zero-filled blocks.
 """
 import argparse
 import math
@@ -59,9 +60,9 @@ class ModelConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"ModelConfig: {name} must be an integer >= 1, got {v!r}")
         if not (isinstance(self.pad_id, int) and 0 <= self.pad_id < self.vocab_size):
-            raise ValueError(f"ModelConfig: pad_id must be an id in "
-                             f"[0, vocab_size={self.vocab_size}), got {self.pad_id!r} "
-                             f"(data.py: pad_id(V) = V + 1, vocab_size = V + 2)")
+            raise ValueError(f"ModelConfig: pad_id must be in [0, vocab_size={self.vocab_size}), "
+                             f"got {self.pad_id!r} (data.py: pad_id(V) = V + 1)")
+
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"ModelConfig: dropout must be in [0, 1), got {self.dropout!r}")
 
@@ -279,8 +280,8 @@ def grow(model, width=2, extra_layers=0, seed=0, split="even"):
         raise ValueError(f"grow: split must be one of {SPLITS}, got {split!r}")
     if extra_layers and config.arch == "lstm":
         raise ValueError("grow: extra_layers > 0 is not supported for an LSTM: a layer has no "
-                         "residual path, so no new layer on top reproduces the old outputs; use "
-                         "extra_layers=0 (width is exact)")
+                         "residual path, so no new layer on top reproduces the old outputs")
+
     # BEGIN EXERCISE grow requires attention
     k, gen = width, torch.Generator().manual_seed(seed)
 
@@ -398,8 +399,9 @@ def _init_weights(module):
 def _keep_mask(tokens, config):
     """True at real tokens; rows that are all padding keep every position (avoids NaN)."""
     if tokens.dim() != 2 or tokens.shape[1] > config.max_len:
-        raise ValueError(f"tokens must be [B, T] with T <= max_len={config.max_len}, "
-                         f"got shape {tuple(tokens.shape)}")
+        raise ValueError(f"tokens must be [B, T <= max_len={config.max_len}], got "
+                         f"{tuple(tokens.shape)}")
+
     keep = tokens != config.pad_id
     return keep | ~keep.any(1, keepdim=True)
 
@@ -430,8 +432,8 @@ def preset_n_params(name):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="List model.py's size presets with their "
-                                     "parameter counts (App. B.1).")
+    parser = argparse.ArgumentParser(description="List model.py's size presets (App. B.1).")
+
     parser.parse_args(argv)
     for name in PRESETS:
         ref = REFERENCE[PRESETS[name]["arch"]]
