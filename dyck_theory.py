@@ -15,15 +15,11 @@ features is Phi(x) = relu(V h(x)) / m (not a network's last layer); hessian_trac
 Tr of the Hessian per block (not App. B.2's estimator); y = g*(x) has the paper's sign flipped
 (all is symmetric under y -> -y).
 
-Reading order (every function above the banner): encode, pretraining_support,
-downstream_population (the data, Sec. 5); attention_weights, attention_output, model_output,
-features, mlm_loss (the model); hessian_trace, grad_norm_trace (Lemma F.4); lower_bound, balance
-(Lemma F.1); transferable_solution, fit_u, rf_min_width, random_features_solution (the two
-solutions); trace_closed_form, flattest_search_run, flattest_search, neuron_structure (the
-search); min_norm_head, downstream_losses, failure_probability_exact (Thm 5.1); after the
-banner, the claims and the command line. Corrections to the paper: Lemma
-F.4 holds with a factor 2; Lemma F.1's bound is 4/(m sqrt(T)) (the extracted text reads 4/T);
-Thm 5.1's failure probability is 2(1-p)^n - q^n (0.0296 at T = 6, n = 10), not <= 2^-n.
+Reading order: the data (Sec. 5), the model, the traces (Lemma F.4, F.1), the two solutions,
+the flattest search, the downstream task (Thm 5.1); after the banner, the claims and the command
+line. Corrections to the paper: Lemma F.4 holds with a factor 2; Lemma F.1's bound is
+4/(m sqrt(T)) (the extracted text reads 4/T); Thm 5.1's failure probability is 2(1-p)^n - q^n
+(0.0296 at T = 6, n = 10), not <= 2^-n.
 """
 import argparse
 import itertools
@@ -395,15 +391,13 @@ def check_args(T, m, n, seed=0, threads=1):
     """Raise one ValueError naming every argument outside Thm 5.1's setting (T even >= 6, m >= 2
     or None for the default, n >= 1) or the command line's (seed, threads, sizes this machine
     can hold: T <= 1000, m <= 2^20, n <= 10^6)."""
-    bad = [f"--{k} must be in {lo}..{hi} ({why}), got {v}" for k, v, lo, hi, why in (
-        ("m", m, 2, 2 ** 20, "solution (1) needs two neurons"),
-        ("n", n, 1, 10 ** 6, "downstream samples"), ("threads", threads, 1, 1024, "CPU threads"))
-        if v is not None and not lo <= v <= hi]
-    if T < 6 or T % 2 or T > 1000:
-        bad.insert(0, f"--T must be even and in 6..1000 (Thm 5.1 assumes T >= 6; sentences need "
-                      f"T/2 of each bracket), got {T}")
-    if not 0 <= seed < 2**32:
-        bad.append(f"--seed must be in 0..{2**32 - 1}, got {seed}")
+    bad = [f"--{k} must be {'even and ' if k == 'T' else ''}in {lo}..{hi} ({why}), got {v}"
+           for k, v, lo, hi, why in (
+               ("T", T, 6, 1000, "Thm 5.1 assumes T >= 6; sentences need T/2 of each bracket"),
+               ("m", m, 2, 2 ** 20, "solution (1) needs two neurons"),
+               ("n", n, 1, 10 ** 6, "downstream samples"),
+               ("threads", threads, 1, 1024, "CPU threads"), ("seed", seed, 0, 2**32 - 1, "a seed"))
+           if v is not None and not (lo <= v <= hi and (k != "T" or v % 2 == 0))]
     if bad:
         raise ValueError("; ".join(bad))
 
@@ -541,11 +535,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         description="Numerical check of Thm 5.1 (flattest zero-loss solution transfers).")
     a = parser.add_argument
-    a("--T", type=int, default=6, help="sentence length (even, >= 6); support enumerated up to "
-      "14, sampled above")
-    a("--m", type=int, default=None, help="number of neurons (>= 2); default: smallest multiple "
-      "of 32 >= 2T + T*C(T,T/2) (160 at T=6), the width at which random features can "
-      "interpolate the support")
+    a("--T", type=int, default=6, help="sentence length (even, >= 6; enumerated up to 14)")
+    a("--m", type=int, default=None, help="number of neurons (>= 2); default: the least multiple "
+      "of 32 >= 2T + T*C(T,T/2) (160 at T=6), where random features interpolate the support")
     a("--n", type=int, default=10, help="downstream training samples (>= 1)")
     a("--seed", type=int, default=0, help="seed of every random draw")
     a("--json", action="store_true", help="print one JSON object (keys T, m, n, mlm_loss, "
@@ -570,8 +562,8 @@ def main(argv=None):
     except (MemoryError, RuntimeError) as e:
         if "alloc" not in str(e) and not isinstance(e, MemoryError):
             raise
-        sys.exit(f"dyck_theory.py: cannot allocate memory for --m {m}, --T {args.T}, --n "
-                 f"{args.n}: lower them")
+        sys.exit(f"dyck_theory.py: cannot allocate memory: lower --m {m}, --T {args.T} or --n")
+
     if args.json:
         return print(json.dumps(result))
     print()
