@@ -54,9 +54,7 @@ EVAL_SEED = 20230401  # the eval set depends on the language only, so runs are c
 STREAMS = {"init": 1, "data": 2, "mask": 3, "task": 6, "adv": 7, "eval": 8, "proj": 9}
 
 
-# ==================================================================================================
-# the paper's objects: data, objectives, optimiser, exact evaluation
-# ==================================================================================================
+# ============================== the paper's objects: data, objectives, optimiser, exact evaluation
 
 def make_batch(lang, args, step, n):
     """The MLM batch of update `step`, a function of (args.seed, step): (inputs, targets [n, T],
@@ -286,9 +284,7 @@ class LookupTable(nn.Module):
         return logp.to(tokens.device)
 
 
-# ==================================================================================================
-# plumbing: command line, checks, setup, metrics rows, checkpoints, resume and branch
-# ==================================================================================================
+# ============= plumbing: command line, checks, setup, metrics rows, checkpoints, resume and branch
 
 # ModelConfig fields --n-layers etc. override (tag in the run name); those an arch ignores.
 SIZE_OVERRIDES = {"n_layers": "l", "n_heads": "nh", "lstm_hidden": "h"}
@@ -910,9 +906,7 @@ def branch_args(merged, args, given, ckpt):
     return merged
 
 
-# ==================================================================================================
-# the training loop: the paper's objects above, put to work by the plumbing between
-# ==================================================================================================
+# =============== the training loop: the paper's objects above, put to work by the plumbing between
 
 @dataclasses.dataclass
 class LossWindow:
