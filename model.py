@@ -96,9 +96,7 @@ PRESETS = {
 }
 
 
-# ==================================================================================================
-# the paper's models (App. B.1): BERT-style transformer, bidirectional LSTM, grow()
-# ==================================================================================================
+# =============== the paper's models (App. B.1): BERT-style transformer, bidirectional LSTM, grow()
 
 def attention(q, k, v, keep):
     """Scaled dot-product attention of every head (App. B.1.2; Vaswani et al. 2017):
@@ -374,9 +372,7 @@ def _deepen_post_ln(state, n_layers, extra_layers, s=0.5):
     state[top + "weight"], state[top + "bias"] = gamma * (g / c), beta
 
 
-# ==================================================================================================
-# plumbing: fused attention, initialisation, padding, presets, the command line
-# ==================================================================================================
+# =================== plumbing: fused attention, initialisation, padding, presets, the command line
 
 def fast_attention(q, k, v, keep, dropout=0.0):
     """attention() through PyTorch's fused kernel (plus attention dropout while training), taken
