@@ -276,9 +276,7 @@ def sgd_demo(steps=20_000, lr=0.05, balance=2.0, n_rows=10, seed=0, log=None):
     return rows
 
 
-# ==================================================================================== plumbing
-# What the estimator stands on: log-probabilities at the masked position, eval mode, and
-# per-sample gradient norms.
+# ===== plumbing: what the estimator stands on (log-probabilities at the masked position, eval mode)
 
 def log_probs_at(net, inputs, positions, V=None):
     """log p_θ(· | x_-t) at each sentence's masked position over the V words, [N, V] float32:
@@ -477,8 +475,8 @@ def parse_args(argv=None):
     a("--hvp-sentences", type=data.int_flag(1, 10 ** 6), default=100,
       help="the first sentences, for --fisher-gap's Hessian-vector products (default 100)")
     a("--fisher-gap", type=train.NATURAL, default=0,
-      help="also report Tr[∇²L] - Tr[G] against the true conditional with this many "
-           "Rademacher probes (fisher_gap); 0 = off")
+      help="also Tr[∇²L] - Tr[G] on the true conditional (fisher_gap), N probes; 0: off")
+
     a("--device", type=train.device_flag, default="cpu", help="cpu (default) or cuda")
     data.threads_flag(p)
     a("--sgd-demo", action="store_true", help="run Theorem 3.3's demonstration instead")
