@@ -1,11 +1,10 @@
 """Synthetic languages with exact masked-token conditionals (paper §2.1-2.2, App. A.1).
 
-The true conditional Pr(x_t = w | x_-t) gives the optimal MLM loss (its entropy, §2.1), the
-exact KL of a model to the truth (App. A.4) and the Bayes labels of the downstream tasks.
-`HMM` (the paper's HMM set) has it by forward-backward, `PCFG` (a grammar in Chomsky normal
-form: the PCFG set) by inside-outside. Both
-have sample / sentences, mlm_conditional, tasks / n_classes / task_data and spec (what
-checkpoints store; language_from_spec). Words are 0..V-1, then mask_id(V) and pad_id(V).
+The true conditional Pr(x_t = w | x_-t) gives the optimal MLM loss (its entropy, §2.1), the exact KL
+of a model to the truth (App. A.4) and the Bayes labels of the downstream tasks. `HMM` (the paper's
+HMM set) has it by forward-backward, `PCFG` (a grammar in Chomsky normal form: the PCFG set) by
+inside-outside. Both have sample / sentences, mlm_conditional, tasks / n_classes / task_data and
+spec (what checkpoints store; language_from_spec). Words are 0..V-1, then mask_id(V) and pad_id(V).
 
 Reading order: mask_one; hmm_forward_backward, hmm_state_posterior, HMM; inside, outside,
 pcfg_conditional, PCFG; mlm_entropy; the samplers and the random grammar they call; LANGUAGES.
@@ -314,11 +313,10 @@ def pcfg_conditional(root, binary, lexical, tokens):
 class PCFG:
     """A PCFG in Chomsky normal form (paper §2.2, App. A.1): A -> B C with probability
     binary[A,B,C], A -> w with lexical[A,w], the top symbol from `root`; sentences longer than
-    `max_len` are rejected when sampling (which leaves Pr(x_t | x_-t) unchanged). Tasks A, B,
-    C classify the symbol spanning the first 32, 16, 8 words; `span_tasks` {name: (start,
-    width)} adds the symbol spanning exactly words [start, start + width) (0-based start).
-    Probabilities come from inside(), outside() and pcfg_conditional(), one sentence length at
-    a time."""
+    `max_len` are rejected when sampling (which leaves Pr(x_t | x_-t) unchanged). Tasks A, B, C
+    classify the symbol spanning the first 32, 16, 8 words; `span_tasks` {name: (start, width)} adds
+    the symbol spanning exactly words [start, start + width) (0-based start). Probabilities come
+    from inside(), outside() and pcfg_conditional(), one sentence length at a time."""
 
     TASK_SPAN = {"A": 32, "B": 16, "C": 8}  # App. A.1: the span lengths of tasks A, B, C
 
@@ -642,8 +640,7 @@ PCFG_SMALL = dict(n_symbols=10, vocab_size=24, n_levels=4, rules_per_symbol=4,
 # parse, so the root (task A) is a function of all 8 words, far from any one of them.
 PCFG_DEEP = dict(n_per_level=8, rules_per_symbol=4, n_levels=3)
 
-# Each a function of the language's seed.
-LANGUAGES = {
+LANGUAGES = {                                   # each a function of the language's seed
     "hmm-small": lambda seed: HMM.random(seed=seed, **HMM_SMALL),   # the CPU experiments'
     "hmm": lambda seed: HMM.random(seed=seed),                    # the paper's: 100 states, V=200
     "pcfg": lambda seed: PCFG.random(seed=seed),                  # the paper's: 50 symbols, V=200
