@@ -502,8 +502,7 @@ def claim_flattest_search(search, flattest, X, y):
 def claim_downstream(solutions, Xd, gd, T, n, seed):
     """Claim 5 (Thm 5.1): the flattest features solve the downstream task from n samples with a
     minimum-norm head, random features do not; the failure rate, exact and claimed (2^-n)."""
-    losses = {k: downstream_losses(p, Xd, gd, n, FAILURE_DRAWS, seed)
-              for k, p in solutions.items()}
+    losses = {k: downstream_losses(p, Xd, gd, n, FAILURE_DRAWS, seed) for k, p in solutions.items()}
     median = {k: v.median().item() for k, v in losses.items()}
     scale = (gd ** 2).mean().item()
     rate = (losses["transferable"] > ZERO_LOSS_TOL).double().mean().item()
