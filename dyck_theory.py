@@ -419,11 +419,24 @@ def run_checks(T, m, n, seed, log=print):
     search = flattest_search(T, m, X, y, seed, log=log)
     solutions["flattest_search"] = min(search, key=lambda run: run[1])[0]
     too_narrow = lambda width: width < rf_min_width(T) and T <= ENUM_MAX_T
-    loss_claims, loss = claim_zero_loss(solutions, X, y, T, m, too_narrow)
-    identity_claims, hess = claim_trace_identity(solutions, X, y, loss, m, too_narrow)
-    claims = (loss_claims + identity_claims
-              + claim_bound(solutions, hess, X, y, T, m, seed, too_narrow)
-              + claim_flattest_search(search, solutions["flattest_search"], X, y))
+    loss = {k: mlm_loss(p, X, y).item() for k, p in solutions.items()}
+    hess = {k: hessian_trace(p, X, y) for k, p in solutions.items()}
+    claims = []
+    for k, v in loss.items():           # claim 1: zero MLM loss on the whole support (Sec. 5)
+        na = k == "random_features" and too_narrow(m) and v > ZERO_LOSS_TOL
+        claims.append((f"1. zero MLM loss, {k}", None if na else v <= ZERO_LOSS_TOL,
+                       f"L = {v:.2e}"
+                       + (f" (m < {rf_min_width(T)}: too narrow to interpolate)" if na else "")))
+    for k, p in solutions.items():      # claim 2: the exact trace is 2 E|grad f|^2 (Lemma F.4)
+        identity = grad_norm_trace(p, X)["total"]
+        rel = abs(hess[k]["total"] - identity) / identity
+        ok = rel < 1e-8 and loss[k] <= ZERO_LOSS_TOL
+        claims.append((f"2. Tr H (autograd) = 2E|grad f|^2, {k}",
+                       None if (not ok and k == "random_features" and too_narrow(m)) else ok,
+                       f"{hess[k]['total']:.10g} vs {identity:.10g} (rel diff {rel:.1e}); "
+                       + ", ".join(f"Tr_{b} = {hess[k][b]:.4g}" for b in PARAM_ORDER)))
+    claims += claim_bound(solutions, hess, X, y, T, m, seed, too_narrow)
+    claims += claim_flattest_search(search, solutions["flattest_search"], X, y)
     log(f"downstream: {FAILURE_DRAWS} draws of n={n} samples ...")
     downstream_claims, median_loss, failure = claim_downstream(solutions, Xd, gd, T, n, seed)
     result = {"T": T, "m": m, "n": n, "mlm_loss": loss,
@@ -433,32 +446,8 @@ def run_checks(T, m, n, seed, log=print):
     return result, claims + downstream_claims, time.time() - t0
 
 
-def claim_zero_loss(solutions, X, y, T, m, too_narrow):
-    """Claim 1: each solution has zero MLM loss on the whole support (Sec. 5)."""
-    claims, loss = [], {k: mlm_loss(p, X, y).item() for k, p in solutions.items()}
-    for k, v in loss.items():
-        na = k == "random_features" and too_narrow(m) and v > ZERO_LOSS_TOL
-        claims.append((f"1. zero MLM loss, {k}", None if na else v <= ZERO_LOSS_TOL,
-                       f"L = {v:.2e}"
-                       + (f" (m < {rf_min_width(T)}: too narrow to interpolate)" if na else "")))
-    return claims, loss
-
-
-def claim_trace_identity(solutions, X, y, loss, m, too_narrow):
-    """Claim 2: the exact autograd trace equals 2 E|grad f|^2 at zero loss (Lemma F.4)."""
-    claims, hess = [], {k: hessian_trace(p, X, y) for k, p in solutions.items()}
-    for k, p in solutions.items():
-        identity = grad_norm_trace(p, X)["total"]
-        rel = abs(hess[k]["total"] - identity) / identity
-        ok = rel < 1e-8 and loss[k] <= ZERO_LOSS_TOL
-        claims.append((f"2. Tr H (autograd) = 2E|grad f|^2, {k}",
-                       None if (not ok and k == "random_features" and too_narrow(m)) else ok,
-                       f"{hess[k]['total']:.10g} vs {identity:.10g} (rel diff {rel:.1e}); "
-                       + ", ".join(f"Tr_{b} = {hess[k][b]:.4g}" for b in PARAM_ORDER)))
-    return claims, hess
-
-
-def claim_bound(solutions, hess, X, y, T, m, seed, too_narrow):
+def claim_bound(
+solutions, hess, X, y, T, m, seed, too_narrow):
     """Claim 3: solution (1) attains the Lemma F.1 bound; random features sit strictly above
     it at several widths, even after the optimal rescaling (balance)."""
     bound = lower_bound(T, m)
