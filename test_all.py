@@ -4303,37 +4303,34 @@ def test_probe_sample_efficiency_is_the_area_under_the_curve_on_log_n():
 def test_probe_tuned_finetune_chooses_on_the_validation_split(monkeypatch):
     """The protocol around finetune (a stand-in that scores by hand): seed 0 trains on the
     training split less its last fifth, one run per lr judged on that fifth and the test split
-    at each FT_UPDATES point until validation has not risen for FT_PATIENCE points; the best
-    validation accuracy wins (ties: fewer updates, then the smaller lr: (3e-2, 40) before (1e-3,
-    160)); the other seeds run at the choice on the test split alone, so no test sentence
-    ever chooses."""
+    at every FT_UPDATES point; the best validation accuracy wins (ties: more updates, then the
+    smaller lr: (3e-3, 640) before (1e-2, 640) and (1e-3, 160)); the other seeds run at the
+    choice on the test split alone, so no test sentence ever chooses."""
+    monkeypatch.setattr(probe, "FT_LRS", (1e-3, 3e-3, 1e-2, 3e-2))
     monkeypatch.setattr(probe, "FT_UPDATES", (40, 160, 640))
-    monkeypatch.setattr(probe, "FT_PATIENCE", 1)
     n_train, n_test = 20, 6
     tok = torch.arange(n_train + n_test)[:, None].repeat(1, 3)       # sentence i: ids i
     split = lambda a, b: (tok[a:b], torch.full((b - a,), 3), torch.zeros(b - a, dtype=torch.long))
-    runs, judged_at = [], []
+    runs = []
 
     def stand_in(model, fit, judged, n_classes, seed, lr, at, proj_dim, device="cpu"):
         runs.append((seed, lr, at, fit[0][:, 0].tolist(), judged[0][:, 0].tolist()))
         for n in at:
-            judged_at.append((seed, lr, n))
-            right = {(1e-2, 40): 2, (3e-2, 40): 4, (1e-3, 160): 4}.get((lr, n), 0)   # of 4
+            right = {(1e-2, 40): 2, (3e-2, 40): 4, (1e-3, 160): 4, (3e-3, 640): 4,
+                     (1e-2, 640): 4, (3e-2, 640): 3}.get((lr, n), 0)      # of 4
             test = torch.full((n_test,), seed == 1)
             yield n, test if len(judged[0]) == n_test else torch.cat([torch.arange(4) < right,
                                                                        test])
     monkeypatch.setattr(probe, "finetune", stand_in)
     by_seed, grid, best = probe.tuned_finetune(None, split(0, n_train), split(n_train, n_train +
                                                                             n_test), 2, 3)
-    assert [(s, lr, n) for s, lr, n in judged_at if s == 0] == [
-        (0, 1e-3, 40), (0, 1e-3, 160), (0, 1e-3, 640), (0, 3e-3, 40), (0, 3e-3, 160),
-        (0, 1e-2, 40), (0, 1e-2, 160), (0, 3e-2, 40), (0, 3e-2, 160)]    # stopped runs
-    assert [(r["lr"], r["updates"]) for r in grid] == [x[1:] for x in judged_at[:9]]
-    assert all(r[0] == 0 and r[3] == list(range(16)) and r[4] == list(range(16, 26))
-               for r in runs[:4])                           # seed 0: the validation fifth judges
-    assert [r[:3] for r in runs[4:]] == [(1, 3e-2, (40,)), (2, 3e-2, (40,))]
+    assert [(r["lr"], r["updates"]) for r in grid] == [
+        (lr, n) for lr in (1e-3, 3e-3, 1e-2, 3e-2) for n in (40, 160, 640)]
+    assert all(r[:3] == (0, lr, (40, 160, 640)) and r[3] == list(range(16))
+               and r[4] == list(range(16, 26)) for r, lr in zip(runs, probe.FT_LRS))
+    assert [r[:3] for r in runs[4:]] == [(1, 3e-3, (40, 160, 640)), (2, 3e-3, (40, 160, 640))]
     assert all(r[4] == list(range(20, 26)) for r in runs[4:])   # then the test split only
-    assert (best["lr"], best["updates"]) == (3e-2, 40) and best["val_acc"] == 1.0
+    assert (best["lr"], best["updates"]) == (3e-3, 640) and best["val_acc"] == 1.0
     assert [c.tolist() for c in by_seed] == [[False] * n_test, [True] * n_test, [False] * n_test]
 
 
@@ -4350,7 +4347,7 @@ def test_probe_finetune_default_recipe_beats_majority_class(tmp_path, monkeypatc
                 "--ckpt-every", "100", "--threads", "1", "--runs", str(tmp_path), "--name", "ft"])
     ckpt = train.list_checkpoints(str(tmp_path / "ft"))[-1]
     row = probe.probe_checkpoint(ckpt, "3", method="finetune", n_train=2000, n_test=500, n_seeds=1)
-    assert row["ft_choice"]["lr"] == row["lr"] and 2 <= len(row["ft_grid"]) <= 4
+    assert row["ft_choice"]["lr"] == row["lr"] and len(row["ft_grid"]) == 4
     assert row["acc"] == row["ft_choice"]["test_acc"] and row["projection"] == train.PROJ_DIM
     _, (_, _, y_test) = probe.downstream_data(train.load_checkpoint(ckpt)[2], "3", 2000, 500)
     majority = y_test.bincount().max().item() / len(y_test)
