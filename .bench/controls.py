@@ -4,7 +4,7 @@ for E2). Both sides of every pair at lr 0, fine-tuning tuned per checkpoint, the
 a rescaling-invariant trace beside Tr F and Tr H, every size probed through one 512-d width.
 
     python .bench/controls.py floor SEED          # E1's B: a finished floor matching A's KL
-    python .bench/controls.py measure SEED        # every measure at the pair (~33 min, 1 core)
+    python .bench/controls.py measure SEED        # every measure at the pair (~30 min, 1 core)
     python .bench/controls.py report SEED ...     # per seed, and 95 % t-intervals over seeds
     python .bench/controls.py chain SEED          # one seed's whole chain, E1 then E2, in order
     LATE=10 python .bench/controls.py ...         # the 7,000-step dose (default 20: 17,000)
@@ -18,10 +18,11 @@ larger model's checkpoint of nearest KL on its own floor's decay (e1_dose.sh's p
 then at lr > 0 on B's: the larger model's floor itself where it matches). RUNS= sets the folder.
 
 The measures, fixed before the runs: hessian.py --fisher-gap 30 (Tr F, Tr H, the adaptive trace,
-weight norms); on the root (task A) of the same 8,000 test sentences, 3 probe seeds, the 512-d
-projection on every side: the linear probe on 4,000 sentences for 400 epochs (the ceiling row),
+weight norms); on the root (task A) of the same 8,000 test sentences, the 512-d projection on
+every side, 3 probe seeds: the linear probe on 4,000 sentences for 400 epochs (the ceiling row),
 its sample-efficiency area over 125 ... 4,000 sentences (probe.py --method curve; the transfer
-measure with room) and fine-tuning on 500 sentences, tuned on their validation fifth.
+measure with room); and fine-tuning on 500 sentences, tuned on their validation fifth, one
+probe seed (its grid is 15,360 updates: the compute goes to training seeds instead).
 """
 import json
 import math
@@ -129,7 +130,8 @@ def measure(seed):
     run([sys.executable, "probe.py", a, b, *common, "--n-train", "4000", "--epochs", "400"])
     run([sys.executable, "probe.py", a, b, *common, "--method", "curve", "--n-train", "4000",
          "--epochs", "400"])
-    run([sys.executable, "probe.py", a, b, *common, "--method", "finetune", "--n-train", "500"])
+    run([sys.executable, "probe.py", a, b, *common[:-1], "1", "--method", "finetune",
+         "--n-train", "500"])      # one probe seed: the grid's own run at the choice
 
 
 def chain(seed):
@@ -187,8 +189,8 @@ def report(seeds):
             if not (pa and pb):
                 print(f"  {label}: not measured")
                 continue
-            (d,), (se,), _, _ = probe.paired_difference([pa[0]["n_correct"]],
-                                                        [pb[0]["n_correct"]], 3)
+            (d,), (se,), _, _ = probe.paired_difference(
+                [pa[0]["n_correct"]], [pb[0]["n_correct"]], len(pa[0]["seeds"]))
             tuned = "".join(f"; {side} chose lr {r['ft_choice']['lr']:g} x "
                             f"{r['ft_choice']['updates']}{' (grid edge)' * r['ft_at_edge']}"
                             for side, r in (("A", pa[0]), ("B", pb[0])) if "ft_choice" in r)
