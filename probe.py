@@ -8,8 +8,7 @@ Reading order:
   chart_features      a PCFG's exact chart of span posteriors: what is known of the parse
   linear_probe        App. A.4's probe: 512-d Gaussian projection, standardised, softmax head
   sample_efficiency   its accuracy over training-set sizes, as one number (a measure with room)
-  finetune            the whole network plus a linear head (App. A.4), and tuned_finetune,
-                      its (lr, updates) chosen per checkpoint on a validation split
+  finetune            the network plus a linear head (App. A.4); tuned_finetune: (lr, updates)
   partial_r2          the trace's partial r² given KL: what flatness explains beyond the loss
   paired_difference   two checkpoints on the same test sentences, per training seed and across
 After the banner, the plumbing: one checkpoint's row, the summary table, the command line.
@@ -18,12 +17,10 @@ After the banner, the plumbing: one checkpoint's row, the summary table, the com
     python probe.py runs/e1-s0/ckpt_0006000.pt --method finetune
     python probe.py --summary runs/e1-s{0,1,2} --compare e1@3000 e1@last --plot e1.png
 
-Each probed checkpoint appends to runs/NAME/probe.jsonl one JSON row (acc, acc_std over probe
-seeds, n_correct: per test sentence, how many seeds got it right, for curve weighted as
-its area; fine-tuning's grid and choice; the settings).
-`--summary` joins the rows of train.py, hessian.py and probe.py in run folders (print_summary
-says what it prints). Two methods read the checkpoint's language, not its network: `--method
-onehot` probes one-hot words, `--method chart` a PCFG's exact chart of span posteriors.
+Each probed checkpoint appends a row to runs/NAME/probe.jsonl (acc, acc_std over probe seeds,
+n_correct: per test sentence, how many seeds got it right); `--summary` joins the rows of
+train.py, hessian.py and probe.py. `--method onehot` and `--method chart` read the language, not
+the network: its one-hot words, a PCFG's exact chart of span posteriors.
 """
 import argparse
 import copy
@@ -72,8 +69,6 @@ def downstream_data(lang, task, n_train, n_test, seed=DATA_SEED):
     """`lang.task_data`'s sample of n_train + n_test sentences, split ((tokens, lengths, labels)
     of the train split, the same of the test split): the first n_test are the test set, so two
     checkpoints of one language are compared on the SAME test sentences."""
-    if n_train < 2 or n_test < 1:
-        raise ValueError(f"need n_train >= 2 and n_test >= 1, got {n_train} and {n_test}")
     tokens, lengths, labels = lang.task_data(task, n_train + n_test, seed)
     test = (tokens[:n_test], lengths[:n_test], labels[:n_test])
     return (tokens[n_test:], lengths[n_test:], labels[n_test:]), test
@@ -279,9 +274,8 @@ def paired_difference(n_correct_a, n_correct_b, n_probe_seeds):
     n_correct). With c = n_correct / n_probe_seeds and d_i = c_B,i - c_A,i in one run:
         diff = mean_i d_i,   se = std_i(d_i, ddof=1) / sqrt(n)
     (the sample estimate of the standard error of a mean of n paired differences: test-set
-    noise; probe-seed
-    noise is averaged into c). Across the k runs: mean = mean of the diffs, se_mean = their
-    std (ddof=1) / sqrt(k), None for k = 1.
+    noise; probe-seed noise is averaged into c). Across the k runs: mean = mean of the diffs,
+    se_mean = their std (ddof=1) / sqrt(k), None for k = 1.
     """
     if np.shape(n_correct_a) != np.shape(n_correct_b) or np.ndim(n_correct_a) != 2:
         raise ValueError(f"paired comparison needs the same test sentences in every run; got "
@@ -313,11 +307,6 @@ def same_loss_statistic(pairs):
 T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18)  # t, df 1..12
 
 
-def t95(k):
-    """Student's t of a 95 % interval for the mean of k values: k - 1 df (beyond 12, 12's)."""
-    return T95[min(k - 2, len(T95) - 1)]
-
-
 def t_interval(values):
     """Mean of k >= 2 per-seed values, its se (std ddof=1 / sqrt k) and the 95 % t-interval on
     k - 1 df (the evidence standard across training seeds; beyond 12 df, 12's t, a little wide)
@@ -326,7 +315,7 @@ def t_interval(values):
     if len(v) < 2:
         raise ValueError(f"a t-interval needs two or more values; got {len(v)}")
     se = float(v.std(ddof=1) / math.sqrt(len(v)))
-    t = t95(len(v))
+    t = T95[min(len(v) - 2, len(T95) - 1)]
     return float(v.mean()), se, float(v.mean()) - t * se, float(v.mean()) + t * se
 
 
@@ -346,8 +335,7 @@ HESSIAN_SETTINGS = ("n_sentences", "n_samples", "n_repeats", "seed", "sentence_s
 
 
 def checked_task(path, ckpt, lang, task, method):
-    """(task or the language's first, its number of classes); a one-line ValueError naming the
-    checkpoint if its language has no such task, or if a lookup table is to be fine-tuned."""
+    """(task or the language's first, its number of classes), or a ValueError naming the ckpt."""
     task = lang.tasks[0] if task is None else task
     try:
         n_classes = lang.n_classes(task)
@@ -424,12 +412,9 @@ def probe_settings(step, task, method, n_train, n_test, n_seeds, proj_dim, epoch
 
 # ----------------------------------------------------------------------------- the summary
 def summary_table(run_dirs, min_step=0):
-    """(columns, rows): each run's metrics.jsonl (eval rows), hessian.jsonl and probe.jsonl
-    joined by step, a row per step >= min_step with a hessian or probe row: run, group, seed
-    (runs are named GROUP-sSEED), step, METRIC_COLUMNS, HESSIAN_COLUMNS, and per probe setting
-    S (`{method}_{task}`, `_noproj` for --no-projection) `S_acc`, `S_acc_std`, with
-    row["n_correct"][S] and row["n_probe_seeds"][S] for paired comparisons; the last row wins,
-    missing values are None. Mixed languages or settings are refused (naming the run)."""
+    """(columns, rows): the runs' metrics, hessian and probe rows joined by step (runs named
+    GROUP-sSEED), per probe setting S (`{method}_{task}[_noproj]`) S_acc, S_acc_std, and
+    row["n_correct"][S], row["n_probe_seeds"][S]. Mixed languages or settings are refused."""
     rows, settings, seen = [], [], {}
     for run in run_dirs:
         if not os.path.isfile(os.path.join(run, "metrics.jsonl")):
@@ -439,14 +424,13 @@ def summary_table(run_dirs, min_step=0):
                 if inside else ""))
         name = os.path.basename(os.path.normpath(run))
         config = os.path.join(run, "config.json")
-        try:
-            with open(config) as f:
-                language = json.load(f)["language"]
-            _check_same(seen, "config.json", name, {"language": language}, config)
-        except FileNotFoundError:
-            pass
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f"{config} is not train.py's config.json") from None
+        if os.path.isfile(config):
+            try:
+                with open(config) as f:
+                    language = {"language": json.load(f)["language"]}
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{config} is not train.py's config.json") from None
+            _check_same(seen, "config.json", name, language, config)
         evals = {r["step"]: r for r in data.read_rows(os.path.join(run, "metrics.jsonl"))
                  if "eval_loss" in r}
         hess = {r["step"]: r for r in data.read_rows(os.path.join(run, "hessian.jsonl"))}
@@ -487,8 +471,7 @@ def summary_table(run_dirs, min_step=0):
 
 
 def _check_same(seen, what, run, settings, source):
-    """Refuse a run whose `what` (a dict, read from file `source`) differ from the first run's:
-    a silently mixed table; the message says which file to mend."""
+    """Refuse a run whose settings (a dict, read from file `source`) differ from the first's."""
     first_run, first = seen.setdefault(what, (run, settings))
     diff = [f"{k} differs" if len(repr(v)) > 40 else f"{k} {v!r} vs {first[k]!r}"
             for k, v in settings.items() if v != first[k]]
@@ -503,21 +486,15 @@ def _finite(v):
 
 
 def pair_checkpoints(table, setting, spec_a, spec_b):
-    """The pairs of a comparison: spec GROUP@STEP, STEP an integer or `last`, GROUP a group name
-    or a glob; each group A's glob matches (a decay branch, say) is paired on its own, per
-    training seed with rows in both. B's STEP may be `kl`: among B's checkpoints other than A's,
-    the KL nearest to A's (match_kl); `kl-later`: the same among B's checkpoints at later steps
-    than A's (trained longer). Only rows probed on `setting` count (None: every row).
-    -> [(group, [(seed, A's row, B's rows best first, KL margin or None)])]."""
-    parsed = []
-    for spec, may_match in ((spec_a, False), (spec_b, True)):
-        group, _, step = spec.rpartition("@")
-        if not group or not (step.isdigit() or step == "last"
-                             or may_match and step in ("kl", "kl-later")):
+    """Per group A's glob matches, per training seed: (seed, A's row, B's rows best first, KL
+    margin or None). Spec GROUP@STEP, STEP a number, `last`, or for B `kl` (match_kl among B's
+    checkpoints) or `kl-later` (after A's step); rows probed on `setting` (None: all)."""
+    (ga, _, sa), (gb, _, sb) = spec_a.rpartition("@"), spec_b.rpartition("@")
+    for spec, group, step, words in ((spec_a, ga, sa, ("last",)),
+                                     (spec_b, gb, sb, ("last", "kl", "kl-later"))):
+        if not group or not (step.isdigit() or step in words):
             raise ValueError(f"--compare {spec!r}: expected GROUP@STEP with STEP a number, "
                              f"'last' or (second only) 'kl' or 'kl-later'")
-        parsed.append((group, step))
-    (ga, sa), (gb, sb) = parsed
 
     def rows_of(group, seed):
         return [r for r in table if fnmatch.fnmatchcase(r["group"], group) and r["seed"] == seed
@@ -545,8 +522,7 @@ def pair_checkpoints(table, setting, spec_a, spec_b):
                 continue
             if not (_finite(a.get("kl")) and _finite(a.get("kl_se"))):
                 raise ValueError(f"--compare {spec_a}: {a['run']} step {a['step']} has no exact "
-                                 f"KL in its metrics.jsonl (an eval row lost to a resume from an "
-                                 f"earlier checkpoint?): pair another step, or B at a fixed step")
+                                 f"KL in its metrics.jsonl: pair another step, or fix B's step")
             candidates = [r for r in rows_b if _finite(r.get("kl")) and _finite(r.get("kl_se"))
                           and (r["run"], r["step"]) != (a["run"], a["step"])   # never itself
                           and (sb == "kl" or r["step"] > a["step"])]
@@ -564,10 +540,8 @@ def pair_checkpoints(table, setting, spec_a, spec_b):
 
 
 def compare(table, setting, spec_a, spec_b):
-    """(printable lines, pairs) of the paired comparison (paired_difference) of checkpoints A and
-    B of each training seed on probe setting `setting` (pair_checkpoints); with B@kl, the margin
-    and the next-best match, and the matched pairs of all groups summed up by
-    same_loss_statistic. pairs: [(seed, A's row, B's row, margin or None)]."""
+    """(printable lines, [(seed, A's row, B's row, margin or None)]): paired_difference per
+    pair_checkpoints group; with B@kl the margins, next-best matches and same-loss lines."""
     acc = f"{setting}_acc"
     sa = spec_a.rpartition("@")[2]
 
@@ -578,20 +552,16 @@ def compare(table, setting, spec_a, spec_b):
         return r["n_correct"][setting]
 
     def describe(r):
-        kl = (f"{r['kl']:.4f} ± {r['kl_se']:.4f}" if _finite(r.get("kl")) and _finite(
-            r.get("kl_se")) else "-")
-        return (f"{r['run']}@{r['step']} (KL {kl}, Tr "
-                f"{_fmt(r.get('trace'))}, acc {r[acc]:.4f})")
+        kl = f"{r['kl']:.4f} ± {r['kl_se']:.4f}" if _finite(r.get("kl_se")) else "-"
+        return f"{r['run']}@{r['step']} (KL {kl}, Tr {_fmt(r.get('trace'))}, acc {r[acc]:.4f})"
     lines, pairs = [], []
     for group, matches in pair_checkpoints(table, setting, spec_a, spec_b):
-        seeds = [m[0] for m in matches]
-        matches = [m[1:] for m in matches]
-        n_seeds = matches[0][0]["n_probe_seeds"][setting]
+        n_seeds = matches[0][1]["n_probe_seeds"][setting]
         diffs, ses, mean, se_mean = paired_difference(
-            [counts(a) for a, _, _ in matches], [counts(b[0]) for _, b, _ in matches], n_seeds)
+            [counts(m[1]) for m in matches], [counts(m[2][0]) for m in matches], n_seeds)
         lines.append(f"paired comparison of {acc}: B = {spec_b} minus A = {group}@{sa}, on the "
                      f"same test sentences")
-        for seed, (a, ranked, margin), d, se in zip(seeds, matches, diffs, ses):
+        for (seed, a, ranked, margin), d, se in zip(matches, diffs, ses):
             b = ranked[0]
             pairs.append((seed, a, b, margin, d))
             text = (f"  seed {seed}: A {describe(a)}  B {describe(b)}  diff {d:+.4f} ± {se:.4f} "
@@ -610,9 +580,9 @@ def compare(table, setting, spec_a, spec_b):
                                           "includes 0: no effect detected"))
         lines.append(f"  mean over {len(diffs)} seeds: {mean:+.4f}{verdict}; "
                      f"{sum(d > 0 for d in diffs)}/{len(diffs)} seeds positive")
-        if all(len(ranked) > 1 for _, ranked, _ in matches):
-            next_best = paired_difference([counts(a) for a, _, _ in matches],
-                                          [counts(b[1]) for _, b, _ in matches], n_seeds)[2]
+        if all(len(m[2]) > 1 for m in matches):
+            next_best = paired_difference([counts(m[1]) for m in matches],
+                                          [counts(m[2][1]) for m in matches], n_seeds)[2]
             lines.append(f"  with the next-best KL match instead: {next_best:+.4f}")
     sides = [{r["seed"] for r in table if fnmatch.fnmatchcase(r["group"], spec.rpartition("@")[0])
               and _finite(r.get(acc))} for spec in (spec_a, spec_b)]
@@ -620,44 +590,38 @@ def compare(table, setting, spec_a, spec_b):
     if alone:
         lines.append(f"  left out: training seed(s) {', '.join(map(str, alone))}, probed on one "
                      f"side only")
-    if spec_b.rpartition("@")[2].startswith("kl"):
-        lines += same_loss_lines(pairs, spec_a, spec_b)
-    return lines, [p[:4] for p in pairs]
-
-
-def same_loss_lines(pairs, spec_a, spec_b):
-    """same_loss_statistic over the matched pairs, and the direction of the unmatched ones."""
+    if not spec_b.rpartition("@")[2].startswith("kl"):
+        return lines, [p[:4] for p in pairs]
+    # B@kl: same_loss_statistic over the matched pairs, and the direction of the unmatched ones
     matched = [(s, d, math.log(b["trace"] / a["trace"])) for s, a, b, margin, d in pairs
                if margin < 2 and _finite(a.get("trace")) and _finite(b.get("trace"))]
     unmatched = [(a, b, d) for s, a, b, margin, d in pairs if margin >= 2]
-    text = [f"same loss, B = {spec_b} minus A = {spec_a}: {len(matched)} matched pairs"]
+    lines.append(f"same loss, B = {spec_b} minus A = {spec_a}: {len(matched)} matched pairs")
     if matched:
         (d, d_se, lo, hi), (r, r_se, _, _), (k, n) = same_loss_statistic(matched)
-        text[0] += (f" in {len({s for s, _, _ in matched})} seeds: acc {d:+.4f}" + (
+        lines[-1] += (f" in {len({s for s, _, _ in matched})} seeds: acc {d:+.4f}" + (
             f" ± {d_se:.4f} (95 % {lo:+.4f} to {hi:+.4f})" if d_se else "")
-                    + f", log Tr ratio {r:+.3f}" + (f" ± {r_se:.3f}" if r_se else "")
-                    + f" (Tr x{math.exp(r):.2f}); the flatter side is the more accurate in "
-                    f"{k}/{n} pairs")
+                      + f", log Tr ratio {r:+.3f}" + (f" ± {r_se:.3f}" if r_se else "")
+                      + f" (Tr x{math.exp(r):.2f}); the flatter side is the more accurate in "
+                      f"{k}/{n} pairs")
     for key, name in (("adaptive_trace", "adaptive Tr"), ("weight_norm", "‖θ‖")):
         logs = [math.log(b[key] / a[key]) for _, a, b, margin, _ in pairs if margin < 2
                 and _finite(a.get(key)) and _finite(b.get(key)) and a[key] > 0 and b[key] > 0]
         if logs:                       # a trace beside the scale it was measured at
-            text.append(f"  {name} of B / A over {len(logs)} matched pairs: "
-                        f"x{math.exp(np.mean(logs)):.2f} (geometric mean)")
+            lines.append(f"  {name} of B / A over {len(logs)} matched pairs: "
+                         f"x{math.exp(np.mean(logs)):.2f} (geometric mean)")
     lower_worse = sum((d > 0) == (a["kl"] < b["kl"]) for a, b, d in unmatched)
-    text.append(f"  not matched: {len(unmatched)} pairs; in {lower_worse} of them the side with "
-                f"the lower loss is the less accurate")
-    return text
+    lines.append(f"  not matched: {len(unmatched)} pairs; in {lower_worse} of them the side with "
+                 f"the lower loss is the less accurate")
+    return lines, [p[:4] for p in pairs]
 
 
 def _fmt(v):
     return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def _fmt_fit(stats, key):
-    if key not in stats:
-        return "-" if key != "partial" else "- (needs 4)"
-    r2, slope = stats[key]
+def _fmt_fit(fit):
+    r2, slope = fit
     return f"{r2:.3f} ({'+' if slope > 0 else '-' if slope < 0 else '0'})"
 
 
@@ -667,10 +631,8 @@ def probed_settings(table):
 
 
 def print_summary(columns, table, comparisons=()):
-    """Print the table; per probe setting and group of runs (and pooled over groups) the R² and
-    slope sign of accuracy on the trace, on KL and on log KL and the trace's partial r² given
-    KL; then the paired comparisons, per probe setting. Returns the first setting's pairs
-    matched by KL (for --plot)."""
+    """Print the table, per probe setting and group the fits of accuracy, and the comparisons;
+    -> the first setting's pairs (for --plot)."""
     cells = [columns] + [[_fmt(r.get(c)) for c in columns] for r in table]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     print("\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells))
@@ -681,9 +643,8 @@ def print_summary(columns, table, comparisons=()):
         print(f"{acc}: R² (slope sign) on trace | on KL | on log KL | partial r² of trace "
               f"given KL")
         used = [r for r in table if all(_finite(r.get(c)) for c in ("trace", "kl", acc))]
-        groups = {}
-        for r in used:
-            groups.setdefault(r["group"], []).append(r)
+        names = dict.fromkeys(r["group"] for r in used)
+        groups = {g: [r for r in used if r["group"] == g] for g in names}
         pooled = [("pooled over groups", used)] if len(groups) > 1 else []
         for label, rows in list(groups.items()) + pooled:
             y, trace, kl = ([r[c] for r in rows] for c in (acc, "trace", "kl"))
@@ -691,11 +652,10 @@ def print_summary(columns, table, comparisons=()):
                 print(f"  {label}: needs >= 3 checkpoints with a trace, a KL and an accuracy; "
                       f"found {len(rows)}")
                 continue
-            stats = {"trace": regression(trace, y), "kl": regression(kl, y)}
-            stats.update({"log_kl": regression(np.log(kl), y)} if min(kl) > 0 else {})
-            stats.update({"partial": partial_r2(y, trace, kl)} if len(rows) >= 4 else {})
-            print(f"  {label} ({len(rows)} checkpoints): " + " | ".join(
-                _fmt_fit(stats, k) for k in ("trace", "kl", "log_kl", "partial")))
+            fits = [_fmt_fit(regression(trace, y)), _fmt_fit(regression(kl, y)),
+                    _fmt_fit(regression(np.log(kl), y)) if min(kl) > 0 else "-",
+                    _fmt_fit(partial_r2(y, trace, kl)) if len(rows) >= 4 else "- (needs 4)"]
+            print(f"  {label} ({len(rows)} checkpoints): " + " | ".join(fits))
     pairs = []
     for spec_a, spec_b in comparisons:
         for setting in settings:                         # the pairs of each probe setting
@@ -711,28 +671,26 @@ def print_summary(columns, table, comparisons=()):
 
 
 def plot_summary(table, path, pairs=()):
-    """The same-loss figure (Figs. 1, 3 in one), on the first probe setting: accuracy against
-    KL, a line per run, the trace as colour; with pairs matched by KL (--compare A B@kl), A's
-    checkpoints as triangles and each pair joined (dotted where not matched)."""
+    """Figs. 1 and 3 in one: accuracy against KL, a line per run, the trace as colour, each
+    --compare pair joined (dotted where not matched)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.colors import LogNorm
     acc = f"{next(iter(probed_settings(table)), '')}_acc"
     rows = [r for r in table if _finite(r.get(acc)) and _finite(r.get("trace"))
             and _finite(r.get("kl")) and r["kl"] > 0 and r["trace"] > 0]
     if not rows:
         raise ValueError("--plot: no checkpoint has a KL, a trace and an accuracy")
     fig, ax = plt.subplots(figsize=(7.5, 5))
-    norm, cmap = LogNorm(min(r["trace"] for r in rows), max(r["trace"] for r in rows)), "viridis"
+    norm = matplotlib.colors.LogNorm(min(r["trace"] for r in rows), max(r["trace"] for r in rows))
     for run in dict.fromkeys(r["run"] for r in rows):
         line = sorted((r for r in rows if r["run"] == run), key=lambda r: r["step"])
         ax.plot([r["kl"] for r in line], [r[acc] for r in line], "-", color="0.75", lw=0.8)
         points = ax.scatter([r["kl"] for r in line], [r[acc] for r in line],
-                            c=[r["trace"] for r in line], cmap=cmap, norm=norm, s=10, zorder=2)
+                            c=[r["trace"] for r in line], cmap="viridis", norm=norm, s=10, zorder=2)
     for _, a, b, margin in pairs:
         ax.plot([a["kl"], b["kl"]], [a[acc], b[acc]], "k-" if margin < 2 else "k:", lw=0.7)
-        ax.scatter([a["kl"]], [a[acc]], c=[a["trace"]], cmap=cmap, norm=norm, s=40, marker="^",
+        ax.scatter([a["kl"]], [a[acc]], c=[a["trace"]], cmap="viridis", norm=norm, s=40, marker="^",
                    edgecolors="k", linewidths=0.5, zorder=4)
     fig.colorbar(points, ax=ax, label="Tr[H] (Fisher)")
     ax.set(xscale="log", xlabel="KL(truth || model), nats", ylabel=acc, title="lines: runs; "
@@ -767,7 +725,7 @@ def parse_args(argv=None):
     a("--method", choices=METHODS, default="linear", help="linear probe (default), its sample-"
       "efficiency area, fine-tuning (App. A.4); the linear probe on one-hot words or a PCFG's "
       "exact chart")
-    a("--n-train", type=data.int_flag(1, 10 ** 7), default=N_TRAIN,
+    a("--n-train", type=data.int_flag(2, 10 ** 7), default=N_TRAIN,
       help=f"training examples (default {N_TRAIN})")
     a("--n-test", type=data.int_flag(1, 10 ** 7), default=N_TEST,
       help=f"held-out test examples (default {N_TEST})")
@@ -783,8 +741,7 @@ def parse_args(argv=None):
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         bad.append("--plot needs matplotlib, which is not installed: pip install matplotlib")
     if args.method == "finetune" and args.epochs:
-        bad.append("--epochs is the linear probe's; fine-tuning takes the grid probe.FT_LRS x "
-                   "probe.FT_UPDATES")
+        bad.append("--epochs is the linear probe's; fine-tuning takes its grid, FT_UPDATES")
     if not args.summary and (args.compare or args.plot):
         bad.append("--compare and --plot go with --summary RUN_DIR ...")
     bad += [] if args.summary else train.missing_checkpoints(args.paths, "probe.jsonl")
