@@ -108,20 +108,19 @@ def attention_output(Q, K, X):
     return (attention_weights(Q, K, X)[:, None, :] @ X).squeeze(1)
 
 
+def features(params, X):
+    """Phi(x) = relu(V h(x)) / m: [N, m]."""
+    h = attention_output(params["Q"], params["K"], X)
+    return torch.relu(h @ params["V"].T) / params["u"].shape[0]
+
+
 def model_output(params, X):
-    """f(x) = (1/m) u^T relu(V h(x)), h(x) = sum_j a_j x_j (Sec. 5).
+    """f(x) = (1/m) u^T relu(V h(x)) = Phi(x) u, h(x) = sum_j a_j x_j (Sec. 5).
 
     psi = (Q, K, V); params: dict Q, K [k,d] (k = d here), V [m,d], u [m]. The loss, for MLM and
     downstream alike, is squared: L(psi, u) = E (f(x) - y)^2 (`mlm_loss`).
     """
-    h = attention_output(params["Q"], params["K"], X)
-    return torch.relu(h @ params["V"].T) @ params["u"] / params["u"].shape[0]
-
-
-def features(params, X):
-    """Phi(x) = relu(V h(x)) / m, so that f(x) = Phi(x) u: [N, m]."""
-    h = attention_output(params["Q"], params["K"], X)
-    return torch.relu(h @ params["V"].T) / params["u"].shape[0]
+    return features(params, X) @ params["u"]
 
 
 def mlm_loss(params, X, y):
@@ -435,27 +434,12 @@ def run_checks(T, m, n, seed, log=print):
                        None if (not ok and k == "random_features" and too_narrow(m)) else ok,
                        f"{hess[k]['total']:.10g} vs {identity:.10g} (rel diff {rel:.1e}); "
                        + ", ".join(f"Tr_{b} = {hess[k][b]:.4g}" for b in PARAM_ORDER)))
-    claims += claim_bound(solutions, hess, X, y, T, m, seed, too_narrow)
-    claims += claim_flattest_search(search, solutions["flattest_search"], X, y)
-    log(f"downstream: {FAILURE_DRAWS} draws of n={n} samples ...")
-    downstream_claims, median_loss, failure = claim_downstream(solutions, Xd, gd, T, n, seed)
-    result = {"T": T, "m": m, "n": n, "mlm_loss": loss,
-              "trace": {**{k: hess[k]["total"] for k in solutions},
-                        "lower_bound": lower_bound(T, m)},
-              "downstream_loss": median_loss, "downstream_failure_probability": failure}
-    return result, claims + downstream_claims, time.time() - t0
-
-
-def claim_bound(
-solutions, hess, X, y, T, m, seed, too_narrow):
-    """Claim 3: solution (1) attains the Lemma F.1 bound; random features sit strictly above
-    it at several widths, even after the optimal rescaling (balance)."""
-    bound = lower_bound(T, m)
+    bound = lower_bound(T, m)          # claim 3: (1) attains Lemma F.1's bound; (2) sits above
     ratio = hess["transferable"]["total"] / bound
-    claims = [("3. solution (1) attains the Lemma F.1 bound 4/(m sqrt T)", abs(ratio - 1) < 1e-9,
-               f"Tr = {hess['transferable']['total']:.10g}, bound = {bound:.10g}, "
-               f"ratio = {ratio:.12f}")]
-    for w in (m * f for f in RF_WIDTH_FACTORS):
+    claims.append(("3. solution (1) attains the Lemma F.1 bound 4/(m sqrt T)",
+                   abs(ratio - 1) < 1e-9, f"Tr = {hess['transferable']['total']:.10g}, "
+                   f"bound = {bound:.10g}, ratio = {ratio:.12f}"))
+    for w in (m * f for f in RF_WIDTH_FACTORS):       # even after the best rescaling (balance)
         p = solutions["random_features"] if w == m else random_features_solution(T, w, X, y, seed)
         fits = mlm_loss(p, X, y).item() <= ZERO_LOSS_TOL
         raw, balanced = (grad_norm_trace(q, X)["total"] / lower_bound(T, w)
@@ -464,40 +448,32 @@ solutions, hess, X, y, T, m, seed, too_narrow):
                        None if not fits and too_narrow(w) else fits and balanced > 1 + 1e-6,
                        f"trace/bound = {raw:.3f} raw (V ~ N(0,T)), {balanced:.3f} after balancing"
                        + ("" if fits else " (not a zero-loss solution at this width)")))
-    return claims
-
-
-def claim_flattest_search(search, flattest, X, y):
-    """Claim 4: a search for the flattest zero-loss model reaches the bound, with the structure
-    of Lemma F.3 (two groups of neurons, content rows parallel to 1_T, uniform attention)."""
-    ratios = [r for _, r in search]
+    ratios = [r for _, r in search]    # claim 4: the search reaches the bound, Lemma F.3's shape
     reached = sum(r - 1 < SEARCH_TOL for r in ratios)
-    structure = neuron_structure(flattest, X, y)
-    return [("4. search reaches the bound (within SEARCH_TOL)",
-             reached >= 1 and min(ratios) >= 1 - 1e-9,
-             f"{reached}/{len(ratios)} runs within {SEARCH_TOL:.0%}; trace/bound = "
-             + ", ".join(f"{r:.5f}" for r in ratios)),
-            ("4. flattest structure: two groups, no cancellation, content rows prop. to 1_T",
-             structure["group_plus"] >= 1 and structure["group_minus"] >= 1
-             and structure["neurons_firing_on_both_classes"] == 0
-             and structure["min_abs_cos_content_vs_1T"] > 0.99,
-             "{live_neurons} live neurons = {group_plus} (u>0) + {group_minus} (u<0), "
-             "{neurons_firing_on_both_classes} fire on both classes, cancelled mass "
-             "{cancelled_mass:.1e} (|f| = 1), min |cos(V_i[:T], 1_T)| = "
-             "{min_abs_cos_content_vs_1T:.5f}, max |a_j - 1/T| = {max_attention_deviation:.1e}, "
-             "max |V_i[T:]|/|V_i[:T]| = {max_position_over_content_norm:.3f}".format(**structure))]
-
-
-def claim_downstream(solutions, Xd, gd, T, n, seed):
-    """Claim 5 (Thm 5.1): the flattest features solve the downstream task from n samples with a
-    minimum-norm head, random features do not; the failure rate, exact and claimed (2^-n)."""
+    structure = neuron_structure(solutions["flattest_search"], X, y)
+    claims += [("4. search reaches the bound (within SEARCH_TOL)",
+                reached >= 1 and min(ratios) >= 1 - 1e-9,
+                f"{reached}/{len(ratios)} runs within {SEARCH_TOL:.0%}; trace/bound = "
+                + ", ".join(f"{r:.5f}" for r in ratios)),
+               ("4. flattest structure: two groups, no cancellation, content rows prop. to 1_T",
+                structure["group_plus"] >= 1 and structure["group_minus"] >= 1
+                and structure["neurons_firing_on_both_classes"] == 0
+                and structure["min_abs_cos_content_vs_1T"] > 0.99,
+                "{live_neurons} live neurons = {group_plus} (u>0) + {group_minus} (u<0), "
+                "{neurons_firing_on_both_classes} fire on both classes, cancelled mass "
+                "{cancelled_mass:.1e} (|f| = 1), min |cos(V_i[:T], 1_T)| = "
+                "{min_abs_cos_content_vs_1T:.5f}, max |a_j - 1/T| = {max_attention_deviation:.1e}"
+                ", max |V_i[T:]|/|V_i[:T]| = {max_position_over_content_norm:.3f}"
+                .format(**structure))]
+    log(f"downstream: {FAILURE_DRAWS} draws of n={n} samples ...")
+    # claim 5 (Thm 5.1): the flattest features transfer, random ones do not; the failure rate
     losses = {k: downstream_losses(p, Xd, gd, n, FAILURE_DRAWS, seed) for k, p in solutions.items()}
     median = {k: v.median().item() for k, v in losses.items()}
     scale = (gd ** 2).mean().item()
     rate = (losses["transferable"] > ZERO_LOSS_TOL).double().mean().item()
     p_exact, p_theorem = failure_probability_exact(T, n), 2.0 ** (-n)
     se = math.sqrt(p_exact * (1 - p_exact) / FAILURE_DRAWS)
-    claims = [
+    claims += [
         ("5. downstream loss: transferable 0 (median draw)",
          median["transferable"] <= ZERO_LOSS_TOL, f"median L_Pds = {median['transferable']:.2e}"),
         ("5. downstream loss: flattest search ~0 (median draw)",
@@ -515,7 +491,11 @@ def claim_downstream(solutions, Xd, gd, T, n, seed):
          f"exact failure {p_exact:.5g} vs claimed <= {p_theorem:.5g} "
          f"(ratio {p_exact / p_theorem:.3g}): "
          + ("holds" if p_exact <= p_theorem else "THE STATED BOUND DOES NOT HOLD in this setting"))]
-    return claims, median, {"monte_carlo": rate, "exact": p_exact, "theorem_bound": p_theorem}
+    result = {"T": T, "m": m, "n": n, "mlm_loss": loss,
+              "trace": {**{k: hess[k]["total"] for k in solutions}, "lower_bound": bound},
+              "downstream_loss": median, "downstream_failure_probability": {
+                  "monte_carlo": rate, "exact": p_exact, "theorem_bound": p_theorem}}
+    return result, claims, time.time() - t0
 
 
 def main(argv=None):
