@@ -289,8 +289,7 @@ class LookupTable(nn.Module):
 # ModelConfig fields --n-layers etc. override (tag in the run name); those an arch ignores.
 SIZE_OVERRIDES = {"n_layers": "l", "n_heads": "nh", "lstm_hidden": "h"}
 SIZE_FIELDS_OF_OTHER_ARCH = {"transformer": {"lstm_hidden"}, "lstm": {"n_heads"}}
-# may change on resume: speed and rounding, not the run
-RUNTIME_ARGS = {"threads", "device", "compile", "fused_attention", "precision"}
+RUNTIME_ARGS = {"threads", "device", "compile", "fused_attention", "precision"}  # resume may change
 
 
 class ShortHelp(argparse.HelpFormatter):
@@ -311,8 +310,7 @@ class ShortHelp(argparse.HelpFormatter):
         return super()._format_action_invocation(action)
 
 
-# integer flags' ranges: >= 1, >= 0, a numpy seed; sizes capped far above any use, so that a
-# typo is a usage error (an allocation that still fails is one line too: data.command)
+# integer flags' ranges; sizes capped far above any use, so that a typo is a usage error
 COUNT, NATURAL, SEED = data.int_flag(1), data.int_flag(0), data.int_flag(0, data.SEED_MAX)
 SIZE_CAP = data.int_flag(1, 2 ** 16)
 SIZES = "--batch, --eval-n, --n-layers, --n-heads, --lstm-hidden, --grow-width or --lang's size"
@@ -391,8 +389,7 @@ def parse_args(argv=None):
     dest = {opt: act.dest for act in p._actions for opt in act.option_strings}
     flags = (str(t).split("=")[0] for t in (sys.argv[1:] if argv is None else argv))
     given = {dest[f] for f in flags if f in dest}
-    if args.name is not None and (args.name in ("", ".", "..")
-                                  or {os.sep, "/", "\0"} & set(args.name)):
+    if args.name in ("", ".", "..") or {os.sep, "/", "\0"} & set(args.name or ""):
         p.error(f"--name {args.name!r} must name one folder (no '/', not empty, '.' or '..')")
     if args.resume is not None and args.branch_from is not None:
         p.error("--resume continues a run in its folder, --branch-from starts a new one: not both")
@@ -401,10 +398,7 @@ def parse_args(argv=None):
     if args.grow_from is None and {"grow_width", "grow_layers", "grow_split"} & given:
         p.error("--grow-width, --grow-layers and --grow-split need --grow-from CKPT")
     if args.grow_from is not None:
-        clash = [f for f in ("lang", "lang_seed", "preset", "dropout", *SIZE_OVERRIDES)
-                 if f in given]
-
-
+        clash = sorted(given & {"lang", "lang_seed", "preset", "dropout", *SIZE_OVERRIDES})
         if clash:
             p.error(f"{flag(clash[0])} cannot be combined with --grow-from: the grown model's "
                     f"language and config come from the checkpoint (and --grow-width/-layers)")
@@ -483,37 +477,6 @@ def fits_in_memory(cfg):
                          f"state, more than this machine's {memory / 2**30:.1f} GiB: lower {SIZES}")
 
 
-def grow_model(args):
-    """(model.grow of --grow-from's model (App. B.1.3) in training mode, language, source)."""
-    try:
-        small, source, lang = load_checkpoint(args.grow_from)
-        if source["kind"] != "mlm":
-            raise ValueError(f"{args.grow_from}: a {source['kind']!r} checkpoint has no network")
-        c = small.config                     # the grown sizes (an arch ignores the other's)
-        fits_in_memory(dataclasses.replace(c, n_heads=c.n_heads * args.grow_width,
-                                           n_layers=c.n_layers + args.grow_layers,
-                                           lstm_hidden=c.lstm_hidden * args.grow_width))
-        big = model.grow(small, width=args.grow_width, extra_layers=args.grow_layers,
-                         seed=stream_seed(args.seed, "init"), split=args.grow_split)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"train.py: --grow-from: {e}")
-    return big.train(), lang, source
-
-
-def adversary_pool(args, lang):
-    """The adversary's downstream sample (tokens, labels, n_classes): D1 and D2 come from it."""
-    if args.algo != "adversarial":
-        return None
-    args.task = args.task if args.task is not None else lang.tasks[0]
-    try:
-        n_classes = lang.n_classes(args.task)
-    except ValueError as e:
-        raise SystemExit(f"train.py: unknown --task {args.task!r} for this language: {e}")
-    tokens, _, labels = lang.task_data(args.task, args.adv_pool,
-                                       seed=stream_seed(args.seed, "task"))
-    return tokens, labels, n_classes
-
-
 def setup_distributed(args):
     """(rank, world): DDP when launched by torchrun (WORLD_SIZE > 1), gloo on CPU, nccl on GPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -530,43 +493,55 @@ def setup_distributed(args):
     return rank, world
 
 
-def start_state(args, run_dir, lang, cfg, world):
-    """The checkpoint to start from (None: a new run), of this language, model and world size."""
-    if args.resume is None and list_checkpoints(run_dir):
-        raise SystemExit(f"train.py: {run_dir} already holds checkpoints; pass --resume to "
-                         f"continue that run, or --name NEW for a new one")
-    path = args.resume if args.resume is not None else args.branch_from
-    if path is None:
-        return None
-    ckpt = read_checkpoint(path)                 # readable: parse_args has read it already
-    diff = [] if ckpt["language"] == lang.spec() else ["its language (the spec differs)"]
-    stored = ckpt.get("model_config")
-    if cfg is not None and (stored is None or model.ModelConfig(**stored) != cfg):
-        diff.append("its model_config")
-    if ckpt["world"] != world:                 # the adversary draws per (step, rank)
-        diff.append(f"its number of processes ({ckpt['world']}, now {world}: "
-                    f"use torchrun --nproc_per_node={ckpt['world']})")
-    if diff:
-        raise SystemExit(f"train.py: {path}: {'; '.join(diff)} differs from this run's")
-    return ckpt
-
-
 def start_run(args):
     """The Run and its folder; None when there is nothing to train (lookup, or run complete)."""
     if args.grow_from is None:
         lang = data.build_language(args.lang, args.lang_seed)
-    elif args.resume is None and args.branch_from is None:
-        grown, lang, source = grow_model(args)
+    elif args.resume is None and args.branch_from is None:      # model.grow (App. B.1.3)
+        try:
+            small, source, lang = load_checkpoint(args.grow_from)
+            if source["kind"] != "mlm":
+                raise ValueError(f"a {source['kind']!r} checkpoint has no network")
+            c = small.config                     # the grown sizes (an arch ignores the other's)
+            fits_in_memory(dataclasses.replace(c, n_heads=c.n_heads * args.grow_width,
+                                               n_layers=c.n_layers + args.grow_layers,
+                                               lstm_hidden=c.lstm_hidden * args.grow_width))
+            grown = model.grow(small, width=args.grow_width, extra_layers=args.grow_layers,
+                               seed=stream_seed(args.seed, "init"), split=args.grow_split).train()
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"train.py: --grow-from: {e}")
     else:                # a grown run resumed or branched: its own checkpoint, not its source
         grown, _, lang = load_checkpoint(args.resume or args.branch_from)
         grown.train()
-    task = adversary_pool(args, lang)
+    task = None                  # the adversary's downstream sample: D1 and D2 come from it
+    if args.algo == "adversarial":
+        args.task = args.task if args.task is not None else lang.tasks[0]
+        try:
+            n_classes = lang.n_classes(args.task)
+        except ValueError as e:
+            raise SystemExit(f"train.py: unknown --task {args.task!r} for this language: {e}")
+        tokens, _, labels = lang.task_data(args.task, args.adv_pool,
+                                           seed=stream_seed(args.seed, "task"))
+        task = (tokens, labels, n_classes)
     rank, world = setup_distributed(args)
     run_dir = os.path.join(args.runs, args.name)
     net = None if args.algo == "lookup" else grown if args.grow_from else build_model(args, lang)
-    ckpt = start_state(args, run_dir, lang, None if net is None else net.config, world)
+    if args.resume is None and list_checkpoints(run_dir):
+        raise SystemExit(f"train.py: {run_dir} already holds checkpoints; pass --resume to "
+                         f"continue that run, or --name NEW for a new one")
+    path = args.resume if args.resume is not None else args.branch_from
+    ckpt = None if path is None else read_checkpoint(path)      # read by parse_args already
+    if ckpt is not None:               # of this language, model and world size
+        diff = [] if ckpt["language"] == lang.spec() else ["its language (the spec differs)"]
+        stored = ckpt.get("model_config")
+        if net is not None and (stored is None or model.ModelConfig(**stored) != net.config):
+            diff.append("its model_config")
+        if ckpt["world"] != world:                 # the adversary draws per (step, rank)
+            diff.append(f"its number of processes ({ckpt['world']}, now {world}: "
+                        f"use torchrun --nproc_per_node={ckpt['world']})")
+        if diff:
+            raise SystemExit(f"train.py: {path}: {'; '.join(diff)} differs from this run's")
     if args.resume is not None and (net is None or ckpt["step"] >= args.steps):
-
         print(f"{run_dir} is complete: {args.resume} is at step {ckpt['step']} of {args.steps} "
               f"(--steps N, larger, extends a --schedule const run)")
         return None
@@ -869,8 +844,24 @@ def merge_stored(args, given):
                          f"arguments; only {', '.join(map(flag, sorted(may_change)))} may change")
     merged = argparse.Namespace(**{**stored, **{k: getattr(args, k) for k in RUNTIME_ARGS
                                                 if k in given or k not in stored}})
-    if args.branch_from is not None:
-        return branch_args(merged, args, given, ckpt)
+    if args.branch_from is not None:     # a decay branch: from the source's step S to S + N,
+        # lr decayed linearly to 0, in a new run folder (warmup-stable-decay: the valley's floor)
+        step, n = ckpt["step"], args.decay_steps
+        if merged.schedule != "const" or merged.decay_steps:
+            raise SystemExit(f"train.py: --branch-from {args.branch_from}: its run's lr "
+                             f"already decays; branch from a --schedule const run")
+        if n < 1 or step < merged.warmup_steps:
+            raise SystemExit(f"train.py: --branch-from {args.branch_from}: needs --decay-steps "
+                             f"N >= 1, and a step ({step}) past the warm-up "
+                             f"({merged.warmup_steps} steps)")
+        for k in ("decay_steps", "eval_every", "log_every", "ckpt_every", "name", "runs"):
+            if k in given or k in ("decay_steps", "runs"):
+                setattr(merged, k, getattr(args, k))
+        merged.steps, merged.resume, merged.branch_from = step + n, None, args.branch_from
+        if "name" not in given:
+            source = os.path.basename(os.path.dirname(os.path.abspath(args.branch_from)))
+            merged.name = f"{source}-from{step}-decay{n}"
+        return merged
     merged.resume = path
     merged.runs, merged.name = os.path.split(os.path.dirname(os.path.abspath(path)))
     if "steps" in given and args.steps != stored["steps"]:
@@ -883,26 +874,6 @@ def merge_stored(args, given):
                              f"{stored['steps']}, so it cannot be extended (a const run can)")
 
         merged.steps = args.steps
-    return merged
-
-
-def branch_args(merged, args, given, ckpt):
-    """A decay branch: the source run from its step S to S + --decay-steps N, lr decayed linearly
-    to 0, in a new run folder (warmup-stable-decay: it settles at the floor of the loss valley)."""
-    step, n = ckpt["step"], args.decay_steps
-    if merged.schedule != "const" or merged.decay_steps:
-        raise SystemExit(f"train.py: --branch-from {args.branch_from}: its run's learning rate "
-                         f"already decays; branch from a --schedule const run")
-    if n < 1 or step < merged.warmup_steps:
-        raise SystemExit(f"train.py: --branch-from {args.branch_from}: needs --decay-steps N >= "
-                         f"1, and a step ({step}) past the warm-up ({merged.warmup_steps} steps)")
-    for k in ("decay_steps", "eval_every", "log_every", "ckpt_every", "name", "runs"):
-        if k in given or k in ("decay_steps", "runs"):
-            setattr(merged, k, getattr(args, k))
-    merged.steps, merged.resume, merged.branch_from = step + n, None, args.branch_from
-    if "name" not in given:
-        source = os.path.basename(os.path.dirname(os.path.abspath(args.branch_from)))
-        merged.name = f"{source}-from{step}-decay{n}"
     return merged
 
 
