@@ -339,19 +339,12 @@ def _params_and_buffers(net):
 
 
 class FunctionalLSTM(nn.Module):
-    """nn.LSTM (batch_first, bias, no projection: model.py's) written with plain ops, which
-    torch.func.vmap can batch and which has a double backward on every device. It registers the
-    same parameter names as nn.LSTM, so functional_call with the original parameters works.
-    Gate order i, f, g, o as in torch: c' = σ(f)c + σ(i)tanh(g), h' = σ(o)tanh(c'). With
-    `self.keep` [B, T] set (by vmappable), states stay zero over padded steps (a suffix), as
-    model.py's packed sequences do."""
+    """model.py's nn.LSTM (batch_first, bias, no projection) in plain ops, which vmap can batch
+    and which have a double backward on every device; same parameter names, gates i, f, g, o.
+    With `self.keep` [B, T] set (by vmappable), states stay zero over padded steps."""
 
     def __init__(self, lstm):
         super().__init__()
-        if lstm.proj_size or not lstm.bias or not lstm.batch_first:
-            raise ValueError("FunctionalLSTM: nn.LSTM(batch_first=True, bias=True) only")
-
-
         self.num_layers, self.hidden_size = lstm.num_layers, lstm.hidden_size
         self.bidirectional = lstm.bidirectional
         for name, p in lstm.named_parameters():
@@ -409,7 +402,6 @@ def vmappable(net):
 
 
 # ----------------------------------------------------------------------------- command line
-@torch.no_grad()
 def masked_sentences(lang, n, seed=SENTENCE_SEED):
     """n sentences of `lang`, one uniform mask each (data.mask_one): (inputs, targets,
     positions), the same for every checkpoint of a run."""
@@ -429,8 +421,7 @@ def measure_checkpoint(path, args):
     t0 = time.time()
     inputs, targets, positions = (x.to(args.device) for x in masked_sentences(lang, args.sentences))
     trace, trace_std = trace_hessian(net, inputs, positions, args.samples, args.repeats, DRAW_SEED)
-    print(f"  trace {trace:.4g} ± {trace_std:.2g} ({time.time() - t0:.0f}s)", file=sys.stderr,
-          flush=True)
+    print(f"  trace {trace:.4g} ± {trace_std:.2g} ({time.time() - t0:.0f}s)", file=sys.stderr)
     norm, norms = weight_norms(net)
     row = {"ckpt": str(path), "step": ckpt["step"], "trace": trace, "trace_std": trace_std,
            "adaptive_trace": adaptive_trace(net, inputs, positions, args.samples, DRAW_SEED),
