@@ -130,7 +130,21 @@ class HMM:
     rows are probability distributions. Task "k" classifies the k-th hidden state (1-based)."""
 
     def __init__(self, init, trans, emit, length=16):
-        self.init, self.trans, self.emit = _checked_hmm(init, trans, emit, length)
+        init, trans, emit = (_as_float64(init, "HMM init"), _as_float64(trans, "HMM trans"),
+                             _as_float64(emit, "HMM emit"))
+        S = init.numel()
+        if init.dim() != 1 or S == 0 or trans.shape != (S, S) or emit.dim() != 2 \
+                or emit.shape[0] != S or emit.shape[1] == 0:
+            raise ValueError(f"HMM: init, trans, emit must have shapes [S], [S,S], [S,V] (S, V >= "
+                             f"1); got {list(init.shape)}, {list(trans.shape)}, {list(emit.shape)}")
+        if int(length) != length or length < 1:
+            raise ValueError(f"HMM: length must be a positive integer; got {length!r}")
+        _check_rows(init[None], lambda i: "HMM init", 1e-8)
+        _check_rows(trans, lambda i: f"HMM trans row {i} (transitions out of state {i})", 1e-8)
+        _check_rows(emit, lambda i: f"HMM emit row {i} (emissions of state {i})", 1e-8)
+        self.init, self.trans, self.emit = [     # rows renormalised: spec() round-trips
+            torch.where((m.sum(-1, keepdim=True) - 1).abs() > 1e-12, m / m.sum(-1, keepdim=True), m)
+            for m in (init, trans, emit)]
         self.n_states, self.vocab_size = self.emit.shape
         self.max_len = int(length)
         self._cdf_init, self._cdf_trans, self._cdf_emit = (
@@ -143,6 +157,7 @@ class HMM:
         and words cut into `n_blocks` contiguous blocks; block b's states move among themselves
         and emit block b's words; each row's non-zero part a Dirichlet(concentration) draw
         (numpy, `seed`; below 1: sparse, peaked rows); init uniform."""
+
         if not (1 <= n_blocks <= min(n_states, vocab_size) and min(trans_concentration,
                                                                      emit_concentration) > 0):
             raise ValueError("HMM.random: need 1 <= n_blocks <= min(S, V), concentrations > 0")
@@ -155,8 +170,7 @@ class HMM:
         for hs, ws in zip(states, words):
             trans[hs[:, None], hs] = rng.dirichlet(np.full(len(hs), trans_concentration), len(hs))
             emit[hs[:, None], ws] = rng.dirichlet(np.full(len(ws), emit_concentration), len(hs))
-        # tiny concentrations can underflow a row's draws; renormalised, every row sums to 1
-        trans /= trans.sum(1, keepdims=True)
+        trans /= trans.sum(1, keepdims=True)   # tiny concentrations underflow: renormalised
         emit /= emit.sum(1, keepdims=True)
         return cls(np.full(n_states, 1.0 / n_states), trans, emit, length=length)
 
@@ -324,8 +338,6 @@ class PCFG:
                  tol=1e-6, span_tasks=None):
         root, binary, lexical = (_as_float64(m, "PCFG rules") for m in (root, binary, lexical))
         _check_grammar(root, binary, lexical, symbols, words, tol)
-        if int(max_len) < 1:
-            raise ValueError(f"max_len must be >= 1; got {max_len}")
         self.span_tasks = _check_span_tasks(span_tasks, int(max_len), self.TASK_SPAN)
         S, V = root.shape[0], lexical.shape[1]
         self.root, self.binary, self.lexical = root, binary, lexical
@@ -494,13 +506,12 @@ class PCFG:
 
     def spec(self):
         """Plain-Python description (rules [A, B, C, p], [A, w, p]): language_from_spec's input."""
-        b = self.binary.nonzero()
-        lx = self.lexical.nonzero()
         return {"kind": "pcfg", "n_symbols": self.n_symbols, "vocab_size": self.vocab_size,
                 "max_len": self.max_len, "root": self.root.tolist(),
-                "binary_rules": [[a, bb, c, self.binary[a, bb, c].item()]
-                                 for a, bb, c in b.tolist()],
-                "lexical_rules": [[a, w, self.lexical[a, w].item()] for a, w in lx.tolist()],
+                "binary_rules": [[a, b, c, self.binary[a, b, c].item()]
+                                 for a, b, c in self.binary.nonzero().tolist()],
+                "lexical_rules": [[a, w, self.lexical[a, w].item()]
+                                  for a, w in self.lexical.nonzero().tolist()],
                 "symbols": self.symbols, "words": self.words, "origin": self.origin,
                 **({"span_tasks": {k: list(v) for k, v in self.span_tasks.items()}}
                    if self.span_tasks else {})}
@@ -753,25 +764,6 @@ def _check_rows(m, row_name, tol):
         i = int(off.abs().argmax())
         raise ValueError(f"{row_name(i)} sums to {float(m[i].sum()):.12g}, off 1 by "
                          f"{float(off[i]):+.3g} (tolerance {tol:g})")
-
-
-def _checked_hmm(init, trans, emit, length):
-    """(init, trans, emit) as float64 tensors, rows renormalised (spec() round-trips), or a
-    ValueError saying what is wrong."""
-    init, trans, emit = (_as_float64(init, "HMM init"), _as_float64(trans, "HMM trans"),
-                         _as_float64(emit, "HMM emit"))
-    S = init.numel()
-    if init.dim() != 1 or S == 0 or trans.shape != (S, S) or emit.dim() != 2 \
-            or emit.shape[0] != S or emit.shape[1] == 0:
-        raise ValueError(f"HMM: init, trans, emit must have shapes [S], [S,S], [S,V] (S, V >= 1)"
-                         f"; got {list(init.shape)}, {list(trans.shape)}, {list(emit.shape)}")
-    if int(length) != length or length < 1:
-        raise ValueError(f"HMM: length must be a positive integer; got {length!r}")
-    _check_rows(init[None], lambda i: "HMM init", 1e-8)
-    _check_rows(trans, lambda i: f"HMM trans row {i} (transitions out of state {i})", 1e-8)
-    _check_rows(emit, lambda i: f"HMM emit row {i} (emissions of state {i})", 1e-8)
-    return [torch.where((m.sum(-1, keepdim=True) - 1).abs() > 1e-12,
-                        m / m.sum(-1, keepdim=True), m) for m in (init, trans, emit)]
 
 
 def _check_grammar(root, binary, lexical, symbols, words, tol):
