@@ -210,7 +210,8 @@ def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, proj_dim=
                    device="cpu"):
     """Fine-tuning as a protocol: for every lr of FT_LRS, one run of finetune with probe seed 0
     on the training split less its last 1/FT_VALID (the validation split, never a test
-    sentence), judged at every n of FT_UPDATES; the checkpoint's own choice is the (lr, n) of
+    sentence), judged at every n of FT_UPDATES until it diverges (validation accuracy below half
+    its best so far); the checkpoint's own choice is the (lr, n) of
     best validation accuracy (ties: more updates, then the smaller lr), where seeds
     1..n_seeds-1 are then run. -> (per seed the test correctness at the choice, bool [n_test];
     the grid [{lr, updates, val_acc, test_acc}] of seed 0; the chosen grid row)."""
@@ -219,6 +220,7 @@ def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, proj_dim=
     judged = tuple(torch.cat([v[-n_val:], t]) for v, t in zip(train_split, test_split))
     grid, correct = [], {}
     for lr in FT_LRS:
+        top = 0.0
         for n, c in finetune(model, fit, judged, n_classes, 0, lr, FT_UPDATES, proj_dim,
                              device=device):
             correct[lr, n] = c[n_val:]
@@ -226,6 +228,9 @@ def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, proj_dim=
                          "test_acc": c[n_val:].float().mean().item()})
             print(f"[finetune] lr {lr:g} x {n} updates: validation {grid[-1]['val_acc']:.4f}, "
                   f"test {grid[-1]['test_acc']:.4f}", file=sys.stderr, flush=True)
+            top = max(top, grid[-1]["val_acc"])
+            if grid[-1]["val_acc"] < top / 2:     # diverged: the rest of this run is not run
+                break
     # 100 validation sentences tie often; within a run test accuracy rose with the updates
     # until the run diverged (.bench/RESULTS.md, the pilot), so a tie goes to the longer run
     best = max(grid, key=lambda r: (r["val_acc"], r["updates"], -r["lr"]))
