@@ -167,12 +167,11 @@ def sample_efficiency(x_train, y_train, x_test, y_test, n_classes, seed, proj_di
 def finetune(model, train_split, test_split, n_classes, seed, lr=3e-3, at=(160,),
              proj_dim=train.PROJ_DIM, warmup=FT_WARMUP, batch_size=FT_BATCH, device="cpu"):
     """Yields (n, correctness bool [n_test]) after each n of `at` updates of a copy of the whole
-    network plus a linear head on concat_features (App. A.4), through a fixed Gaussian
-    projection to proj_dim features (train.gaussian_projection; None: none), so that networks of
-    every width get heads of one size: AdamW at lr after a linear warm-up of `warmup` updates,
-    constant after (so the network after n updates is the same whichever points follow: one run
-    serves every n), gradients clipped to FT_CLIP, batches from one reshuffle of the training
-    split per pass. `model` is unchanged; the global RNG (dropout's) is restored at the end."""
+    network plus a linear head on concat_features (App. A.4) through a fixed Gaussian projection
+    to proj_dim features (None: none), one head size for every width: AdamW at lr after a
+    linear warm-up of `warmup` updates, constant after (one run serves every n of `at`),
+    gradients clipped to FT_CLIP, one reshuffle of the training split per pass. `model` is
+    unchanged; the global RNG (dropout's) is restored at the end."""
     (tok, lengths, y), (tok_test, lengths_test, y_test) = train_split, test_split
     width = max(tok.shape[1], tok_test.shape[1])  # one head for both splits: width·d inputs
     g = torch.Generator().manual_seed(seed)
@@ -210,11 +209,10 @@ def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, proj_dim=
                    device="cpu"):
     """Fine-tuning as a protocol: for every lr of FT_LRS, one run of finetune with probe seed 0
     on the training split less its last 1/FT_VALID (the validation split, never a test
-    sentence), judged at every n of FT_UPDATES until it diverges (validation accuracy below half
-    its best so far); the checkpoint's own choice is the (lr, n) of
-    best validation accuracy (ties: more updates, then the smaller lr), where seeds
-    1..n_seeds-1 are then run. -> (per seed the test correctness at the choice, bool [n_test];
-    the grid [{lr, updates, val_acc, test_acc}] of seed 0; the chosen grid row)."""
+    sentence), judged at every n of FT_UPDATES until it diverges (validation below half its
+    best); the choice is the (lr, n) of best validation accuracy (ties: more updates, then the
+    smaller lr), where seeds 1..n_seeds-1 then run. -> (per seed the test correctness at the
+    choice; the grid [{lr, updates, val_acc, test_acc}] of seed 0; the chosen grid row)."""
     n_val = max(1, len(train_split[0]) // FT_VALID)
     fit = tuple(x[:-n_val] for x in train_split)
     judged = tuple(torch.cat([v[-n_val:], t]) for v, t in zip(train_split, test_split))
@@ -407,12 +405,11 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
 
 def probe_settings(step, task, method, n_train, n_test, n_seeds, proj_dim, epochs):
     """The settings a row records, by which a checkpoint probed already is skipped."""
-    finetune = method == "finetune"
+    ft = method == "finetune"
     return {"step": int(step), "task": str(task), "method": method, "n_train": n_train,
             "n_test": n_test, "seeds": list(range(n_seeds)), "projection": proj_dim,
-            "epochs": None if finetune else epochs or LINEAR_EPOCHS,
-            **({"ft_grid_of": [list(FT_LRS), list(FT_UPDATES), FT_VALID, FT_WARMUP]}
-               if finetune else {})}
+            "epochs": None if ft else epochs or LINEAR_EPOCHS,
+            **({"ft_grid_of": [list(FT_LRS), list(FT_UPDATES), FT_VALID, FT_WARMUP]} if ft else {})}
 
 
 # ----------------------------------------------------------------------------- the summary
@@ -722,8 +719,7 @@ def parse_args(argv=None):
     a("--compare", nargs=2, action="append", default=[], metavar=("A", "B"), help="with "
       "--summary: accuracy B - A per training seed; GROUP@STEP, STEP a number or last (B: or "
       "kl, kl-later)")
-    a("--min-step", type=train.NATURAL, default=0,
-      help="with --summary: only checkpoints at steps >= this")
+    a("--min-step", type=train.NATURAL, default=0, help="with --summary: only steps >= this")
     a("--plot", help="with --summary: draw accuracy against KL, trace as colour, --compare's "
       "pairs joined, to this PNG (needs matplotlib)")
     a("--task", help="downstream task (PCFG: A, B, C; HMM: k, e.g. 6; default: the first)")
@@ -737,8 +733,7 @@ def parse_args(argv=None):
     a("--seeds", type=data.int_flag(1, 1000), default=N_SEEDS,
       help=f"probe seeds 0..N-1 (default {N_SEEDS})")
     a("--no-projection", action="store_true", help="no 512-d projection (as the authors' code)")
-    a("--epochs", type=data.int_flag(1, 10 ** 6),
-      help=f"the linear probe's (default {LINEAR_EPOCHS}); fine-tuning takes its grid")
+    a("--epochs", type=data.int_flag(1, 10 ** 6), help=f"probe epochs (default {LINEAR_EPOCHS})")
     a("--device", type=train.device_flag, default="cpu", help="cpu (default) or cuda")
     data.threads_flag(p)
     args = p.parse_args(argv)
