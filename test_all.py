@@ -3305,7 +3305,8 @@ def hessian_full_lstm():
 def test_flatness_measures_lanczos_extremes_match_eigvalsh(hessian_full_lstm):
     net, inputs, targets, positions, H = hessian_full_lstm
     eigs = torch.linalg.eigvalsh((H + H.T) / 2)
-    lowest, top = _bench("flatness_measures").lanczos_extremes(net, inputs, positions, targets, n_iter=40)
+    lowest, top = _bench("flatness_measures").lanczos_extremes(net, inputs, positions, targets,
+                                                               n_iter=40)
     assert abs(top - eigs[-1].item()) < 1e-3 * abs(eigs[-1].item())
     assert abs(lowest - eigs[0].item()) < 1e-2 * abs(eigs[0].item())
 
@@ -3332,7 +3333,8 @@ def test_flatness_measures_top_eigenvalue_is_the_largest_of_an_indefinite_hessia
     eigs = torch.linalg.eigvalsh((H + H.T) / 2)
     lowest, top = eigs[0].item(), eigs[-1].item()
     assert top > 0 and -lowest > 1.1 * top                     # the case the test is about
-    lo, hi = _bench("flatness_measures").lanczos_extremes(net, inputs, positions, unlikely, n_iter=40)
+    lo, hi = _bench("flatness_measures").lanczos_extremes(net, inputs, positions, unlikely,
+                                                          n_iter=40)
     assert abs(lo / lowest - 1) < 1e-6 and abs(hi / top - 1) < 1e-6
 
 
@@ -3876,7 +3878,8 @@ def _probe_run_dir(tmp_path, name, steps, traces, accs, tasks=("C",), n_correct=
                                 "kl_se": 0.001}) + "\n")
     with open(run / "hessian.jsonl", "w") as f:
         for s, t in zip(steps, traces):
-            f.write(json.dumps({"ckpt": f"ckpt_{s:07d}.pt", "step": s, "trace": t, "trace_std": 0.1})
+            f.write(json.dumps({"ckpt": f"ckpt_{s:07d}.pt", "step": s, "trace": t,
+                                "trace_std": 0.1})
                     + "\n")
     with open(run / "probe.jsonl", "w") as f:
         for task in tasks:
