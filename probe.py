@@ -48,8 +48,8 @@ LINEAR_EPOCHS = 100
 LINEAR_BATCH = 512      # the authors' run_lp.py
 # Fine-tuning's grid, fixed before the runs: each checkpoint takes the (lr, updates) of best
 # accuracy on its validation split, the last 1/FT_VALID of the training sentences (the paper's
-# one recipe, lr 1e-4 for ~8k updates on 0.1M examples, has no CPU-sized counterpart; the grid
-# is the one its pilot left the choices inside of: .bench/RESULTS.md)
+# one recipe, lr 1e-4 for ~8k updates on 0.1M examples, has no CPU-sized counterpart; still
+# rising at 5120 updates, a side's choice may sit on the edge: rows say so, .bench/RESULTS.md)
 FT_LRS = (3e-3, 1e-2, 3e-2)
 FT_UPDATES = (160, 320, 640, 1280, 2560, 5120)   # one constant-lr run per lr, judged at each
 FT_VALID = 5
@@ -230,7 +230,7 @@ def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, proj_dim=
             if grid[-1]["val_acc"] < top / 2:     # diverged: the rest of this run is not run
                 break
     # 100 validation sentences tie often; within a run test accuracy rose with the updates
-    # until the run diverged (.bench/RESULTS.md, the pilot), so a tie goes to the longer run
+    # until the run diverged (.bench/RESULTS.md), so a tie goes to the longer run
     best = max(grid, key=lambda r: (r["val_acc"], r["updates"], -r["lr"]))
     at = tuple(n for n in FT_UPDATES if n <= best["updates"])
     return [correct[best["lr"], best["updates"]]] + [

@@ -22,7 +22,7 @@ weight norms); on the root (task A) of the same 8,000 test sentences, the 512-d 
 every side, 3 probe seeds: the linear probe on 4,000 sentences for 400 epochs (the ceiling row),
 its sample-efficiency area over 125 ... 4,000 sentences (probe.py --method curve; the transfer
 measure with room); and fine-tuning on 500 sentences, tuned on their validation fifth, one
-probe seed (its grid is 15,360 updates: the compute goes to training seeds instead).
+probe seed (its grid runs up to 15,360 updates: the compute goes to training seeds instead).
 """
 import json
 import math
@@ -125,12 +125,13 @@ def pair(seed):
 def measure(seed):
     """Every measure of the module docstring at the pair (each script skips what it has)."""
     a, b, _ = pair(seed)
-    common = ["--task", "A", "--n-test", "8000", "--seeds", "3"]
+    common = ["--task", "A", "--n-test", "8000"]
     run([sys.executable, "hessian.py", a, b, "--fisher-gap", "30"])
-    run([sys.executable, "probe.py", a, b, *common, "--n-train", "4000", "--epochs", "400"])
-    run([sys.executable, "probe.py", a, b, *common, "--method", "curve", "--n-train", "4000",
+    run([sys.executable, "probe.py", a, b, *common, "--seeds", "3", "--n-train", "4000",
          "--epochs", "400"])
-    run([sys.executable, "probe.py", a, b, *common[:-1], "1", "--method", "finetune",
+    run([sys.executable, "probe.py", a, b, *common, "--seeds", "3", "--method", "curve",
+         "--n-train", "4000", "--epochs", "400"])
+    run([sys.executable, "probe.py", a, b, *common, "--seeds", "1", "--method", "finetune",
          "--n-train", "500"])      # one probe seed: the grid's own run at the choice
 
 
