@@ -5419,6 +5419,17 @@ def test_bad_input_bench_controls_refuses_in_one_line(tmp_path, monkeypatch, cap
     assert os.listdir(runs) == []
 
 
+def test_bench_controls_next_decay_brackets_then_halves_or_doubles():
+    """E1's B: the next decay length lies between the two that bracket A's KL (geometrically),
+    below the shortest when every decay ends under A's KL, above the longest when none does."""
+    next_decay = _bench("controls").next_decay
+    assert next_decay({25: 0.0151, 50: 0.0122, 100: 0.0088}, 0.0098) == 71    # sqrt(50 x 100)
+    assert next_decay({25: 0.0127, 50: 0.0115, 800: 0.0042}, 0.0147) == 12    # all below A's
+    assert next_decay({400: 0.011, 800: 0.010}, 0.0098) == 1600               # all above A's
+    assert next_decay({25: 0.0102, 26: 0.0096}, 0.0098) is None               # adjacent: done
+    assert next_decay({1: 0.0090}, 0.0098) is None                            # nothing shorter
+
+
 def test_faults_resume_with_the_same_runs_folder_spelled_two_ways(tmp_path, monkeypatch):
     """A run made with an absolute --runs resumes with a relative one (the same folder), twice."""
     monkeypatch.chdir(tmp_path)

@@ -12,8 +12,8 @@ a rescaling-invariant trace beside Tr F and Tr H, every size probed through one 
                                                   # model's checkpoint of nearest KL (or L8H2)
 
 The pair. E1: A = the floor decayed over 1,000 steps from P + 3,000 (e1_dose.sh's dose-b3), B =
-a full decay from P + 1,000 LATE, of the length in DECAYS whose final KL is nearest A's, chosen
-by KL alone before anything else is measured (dose-finLATE-D). E2: A = tf-deep's floor, B = the
+a full decay from P + 1,000 LATE, of the length (DECAYS, then next_decay's) whose final KL is
+nearest A's, chosen by KL alone before anything else is measured (dose-finLATE-D). E2: A = tf-deep's floor, B = the
 larger model's checkpoint of nearest KL on its own floor's decay (e1_dose.sh's pair, both sides
 then at lr > 0 on B's: the larger model's floor itself where it matches). RUNS= sets the folder.
 
@@ -38,7 +38,7 @@ import probe  # noqa: E402
 import train  # noqa: E402
 
 DECAYS = (25, 50, 100, 200, 400, 800)     # lengths of B's full decay, to lr 0
-REFINE = 4                                # at most this many more lengths, bisected
+REFINE = 4                                # at most this many more lengths (next_decay)
 SETTINGS = (("linear_A", "linear probe, 4,000"), ("curve_A", "sample-efficiency area"),
             ("finetune_A", "fine-tuned, 500"))
 PAPER = {"later": 1.6, "L4H4": 6.9, "L8H2": 6.9}   # the paper's effects, points (Figs. 1, 2)
@@ -63,11 +63,21 @@ def plateau_exit(seed):
     return (P + 999) // 1000 * 1000
 
 
+def next_decay(finals, a_kl):
+    """The next decay length to try, from {length: final KL}, or None: geometrically between the
+    two lengths whose final KLs bracket A's; half the shortest where every decay ends below A's
+    KL, twice the longest where none does (a longer decay ends lower)."""
+    above = [d for d, kl in finals.items() if kl > a_kl]
+    below = [d for d, kl in finals.items() if kl <= a_kl]
+    d = (min(below) // 2 if not above else 2 * max(above) if not below else
+         round(math.sqrt(max(above) * min(below))))
+    return d if d >= 1 and d not in finals else None
+
+
 def floor(seed):
-    """E1's B: full decays of every length in DECAYS from P + 1,000 LATE, then lengths bisected
-    (geometrically) between the two whose final KLs bracket A's until one is within 1 se of it
-    (at most REFINE more); the decay whose final KL is nearest the floor A's, chosen by KL alone
-    (and recorded in runs/dose-finLATE-s.json)."""
+    """E1's B: full decays of every length in DECAYS from P + 1,000 LATE, then next_decay's
+    lengths until one ends within 1 se of A's KL (at most REFINE more); the decay whose final KL
+    is nearest the floor A's, chosen by KL alone (and recorded in runs/dose-finLATE-s.json)."""
     start = train.ckpt_path(os.path.join(R, f"dose-s{seed}"),
                             plateau_exit(seed) + 1000 * int(LATE))
     if not os.path.isfile(start):
@@ -85,12 +95,11 @@ def floor(seed):
         return probe.match_kl(a["kl"], a["kl_se"], list(finals.values()))
     for d in DECAYS:
         (best, *_), margin = decay(d)
-    for _ in range(REFINE):         # the longer the decay, the lower its final KL
-        above = [d for d, r in finals.items() if r["kl"] > a["kl"]]
-        below = [d for d, r in finals.items() if r["kl"] <= a["kl"]]
-        if margin < 1 or not above or not below or min(below) - max(above) < 2:
+    for _ in range(REFINE):
+        d = next_decay({d: r["kl"] for d, r in finals.items()}, a["kl"])
+        if margin < 1 or d is None:
             break
-        (best, *_), margin = decay(round(math.sqrt(max(above) * min(below))))
+        (best, *_), margin = decay(d)
     choice = {"decay": best["decay"], "margin_se": margin, "a_kl": a["kl"],
               "finals": {d: r["kl"] for d, r in sorted(finals.items())}}
     data.write_whole(os.path.join(R, f"dose-fin{LATE}-s{seed}.json"),
