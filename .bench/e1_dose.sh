@@ -21,11 +21,12 @@
 #   report     per seed and across seeds: the pair, its traces, B - A per probe setting.
 #   larger     E2 (Figs. 2, 5): a larger model of tf-deep's family (SIZE=L4H4, the default: 4
 #              layers x 4 heads, 796K parameters, 4x tf-deep's 201K; SIZE=L8H2: 8 layers x 2
-#              heads, 401K, 2x), trained on its own by the same recipe (lr 5e-3, the lr the 4 x
-#              4's GPU pilot chose) to its own P + 3000 and its floor decayed from there over
-#              1000 steps evaluated every 25 (B's candidates), construct's first half; and the
-#              tf-deep floor A embedded in its architecture (model.grow, App. B.1.3: heads
-#              copied with an even split, or zero blocks on top). AGAINST=larger measure|report
+#              heads, 401K, 2x), trained on its own by the same recipe at its own lr (5e-3, the
+#              4 x 4's GPU pilot's; 1e-2, the 8 x 2's own sweep's, RESULTS) to its own P + 3000
+#              and its floor decayed from there over 1000 steps evaluated every 25 (B's
+#              candidates), construct's first half; and the tf-deep floor A embedded in its
+#              architecture (model.grow, App. B.1.3: heads copied with an even split, or zero
+#              blocks on top). AGAINST=larger measure|report
 #              SEED: A against the larger model's checkpoint of nearest KL (or, where the larger
 #              model's floor lies above A's KL, that floor against A's run), the embedded A's
 #              traces beside them.
@@ -49,9 +50,9 @@ way=$1 s=$2 R=${RUNS:-runs} LOW=${LOW:-1e-3} LATE=${LATE:-20} AGAINST=${AGAINST:
 SIZE=${SIZE:-}                               # empty: tf-deep
 [ -z "$SIZE" ] && { [ "$way" = larger ] || [ "$AGAINST" = larger ]; } && SIZE=L4H4
 case $SIZE in                               # the model's flags; tf-deep's embedding in it
-  "") WIDER="" ;;
-  L4H4) WIDER="--n-heads 4" GROW="--grow-width 2 --grow-split even" ;;
-  L8H2) WIDER="--n-layers 8" GROW="--grow-width 1 --grow-layers 4" ;;
+  "") WIDER="" LR=5e-3 ;;
+  L4H4) WIDER="--n-heads 4" GROW="--grow-width 2 --grow-split even" LR=5e-3 ;;
+  L8H2) WIDER="--n-layers 8" GROW="--grow-width 1 --grow-layers 4" LR=1e-2 ;;  # its own sweep's
   *) echo "e1_dose.sh: SIZE must be L4H4 or L8H2, not $SIZE" >&2; exit 2 ;;
 esac
 case $AGAINST in later|larger) ;; *)
@@ -255,12 +256,12 @@ if [ "$way" = low ]; then
   exit 0
 fi
 for n in 6000 12000; do                      # the 4 x 4's plateau exit: ~2,250-3,250 on the GPU
-  train_to "$RUN" $n 5e-3 250 "$WIDER"
+  train_to "$RUN" $n "$LR" 250 "$WIDER"
   read -r P up <<< "$(plateau_exit "$RUN")"
   [ -z "$up" ] || break
 done
 [ -n "$up" ] || { echo "seed $s ${SIZE:-tf-deep}: KL never below 0.3 in 12000 steps"; exit 0; }
-train_to "$RUN" $(( up + 1000 * LATE )) 5e-3 250
+train_to "$RUN" $(( up + 1000 * LATE )) "$LR" 250
 for k in 3 "$LATE"; do
   decay "$RUN" $(( up + 1000 * k )) "dose-${SIZE}b$k-s$s"
 done
