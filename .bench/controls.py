@@ -13,9 +13,10 @@ a rescaling-invariant trace beside Tr F and Tr H, every size probed through one 
 
 The pair. E1: A = the floor decayed over 1,000 steps from P + 3,000 (e1_dose.sh's dose-b3), B =
 a full decay from P + 1,000 LATE, of the length (DECAYS, then next_decay's) whose final KL is
-nearest A's, chosen by KL alone before anything else is measured (dose-finLATE-D). E2: A = tf-deep's floor, B = the
-larger model's checkpoint of nearest KL on its own floor's decay (e1_dose.sh's pair, both sides
-then at lr > 0 on B's: the larger model's floor itself where it matches). RUNS= sets the folder.
+nearest A's, chosen by KL alone before anything else is measured (dose-finLATE-D). E2: A =
+tf-deep's floor, B = the larger model's checkpoint of nearest KL on its own floor's decay
+(e1_dose.sh's pair, both sides then at lr > 0 on B's: the larger model's floor itself where it
+matches). RUNS= sets the folder.
 
 The measures, fixed before the runs: hessian.py --fisher-gap 30 (Tr F, Tr H, the adaptive trace,
 weight norms); on the root (task A) of the same 8,000 test sentences, the 512-d projection on

@@ -26,10 +26,9 @@
 #              and its floor decayed from there over 1000 steps evaluated every 25 (B's
 #              candidates), construct's first half; and the tf-deep floor A embedded in its
 #              architecture (model.grow, App. B.1.3: heads copied with an even split, or zero
-#              blocks on top). AGAINST=larger measure|report
-#              SEED: A against the larger model's checkpoint of nearest KL (or, where the larger
-#              model's floor lies above A's KL, that floor against A's run), the embedded A's
-#              traces beside them.
+#              blocks on top). AGAINST=larger measure|report SEED: A against the larger
+#              model's checkpoint of nearest KL (or, where the larger model's floor lies above
+#              A's KL, that floor against A's run), the embedded A's traces beside them.
 # LATE=K (default 20) puts B on the branch from P + 1000 K instead: a dose of (K - 3) * 1000.
 # SIZE=L4H4|L8H2 with construct, measure and report (AGAINST=later, the default): E1 within the
 # larger model, its floor (dose-SIZEb3) against its own branch from P + 1000 K (dose-SIZEbK).
