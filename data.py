@@ -274,10 +274,9 @@ def inside(binary, leaf):
         chart[:, i, i + 1] = leaf[:, i]
     for width in range(2, T + 1):
         for i in range(T - width + 1):
-            j = i + width
-            for k in range(i + 1, j):
-                chart[:, i, j] += torch.einsum("abc,nb,nc->na", binary, chart[:, i, k],
-                                               chart[:, k, j])
+            j = i + width       # k, the split, is einsum's index over the spans [i, k), [k, j)
+            chart[:, i, j] = torch.einsum("abc,nkb,nkc->na", binary, chart[:, i, i + 1:j],
+                                          chart[:, i + 1:j, j])
     return chart
     # END EXERCISE inside
 
@@ -298,12 +297,11 @@ def outside(root, binary, chart):
     outer[:, 0, T] = root
     for width in range(T, 1, -1):
         for i in range(T - width + 1):
-            j = i + width
-            for k in range(i + 1, j):
-                outer[:, i, k] += torch.einsum("na,abc,nc->nb", outer[:, i, j], binary,
-                                               chart[:, k, j])
-                outer[:, k, j] += torch.einsum("na,abc,nb->nc", outer[:, i, j], binary,
-                                               chart[:, i, k])
+            j = i + width       # every split k at once: the children [i, k), [k, j) differ in k
+            outer[:, i, i + 1:j] += torch.einsum("na,abc,nkc->nkb", outer[:, i, j], binary,
+                                                 chart[:, i + 1:j, j])
+            outer[:, i + 1:j, j] += torch.einsum("na,abc,nkb->nkc", outer[:, i, j], binary,
+                                                 chart[:, i, i + 1:j])
     return outer
     # END EXERCISE outside
 
