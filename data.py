@@ -92,8 +92,7 @@ def hmm_forward_backward(init, trans, emit, tokens, observed):
         beta_T = 1,  beta_t(h) ∝ Σ_h' trans[h, h'] e_{t+1}(h') beta_{t+1}(h')  ∝ Pr(x_>t | h_t)
         Pr(h_t = h | x_-t) ∝ alpha_t(h) beta_t(h)                  (x_t's own factor left out)
     Where the other words are impossible, Pr(x_-t) = 0, the row is NaN (0/0), not zero (at
-    every t, for a sentence that no change of one word makes possible).
-    """
+    every t, for a sentence that no change of one word makes possible)."""
     # BEGIN EXERCISE hmm_conditional
     n, T = tokens.shape
     e = torch.where(observed[..., None], emit.T[tokens], 1.0)  # [n, T, S]
@@ -115,8 +114,7 @@ def hmm_state_posterior(init, trans, emit, tokens, observed):
     """Pr(h_t = h | x) [n, T, S] float64, the posterior of every hidden state given the whole
     sentence (arguments as hmm_forward_backward). The Bayes label of the paper's task-k
     (task-6, task-10; App. A.1) is its argmax at t = k. By Bayes' rule on x_t:
-        Pr(h_t = h | x) ∝ Pr(h_t = h | x_-t) e_t(h),   e_t(h) = emit[h, x_t] (1 if unobserved).
-    """
+        Pr(h_t = h | x) ∝ Pr(h_t = h | x_-t) e_t(h),   e_t(h) = emit[h, x_t] (1 if unobserved)."""
     # BEGIN EXERCISE task_label requires hmm_conditional
     rest = hmm_forward_backward(init, trans, emit, tokens, observed)
     post = rest * torch.where(observed[..., None], emit.T[tokens], 1.0)
@@ -265,8 +263,7 @@ def inside(binary, leaf):
         chart[i, i+1, A] = leaf[i, A]
         chart[i, j, A] = Σ_{k=i+1}^{j-1} Σ_{B,C} binary[A, B, C] chart[i, k, B] chart[k, j, C]
     Pr(x) = Σ_A root[A] chart[0, T, A]. The chart has leaf's dtype and device (float64 from
-    pcfg_leaves); binary and leaf are not modified.
-    """
+    pcfg_leaves); binary and leaf are not modified."""
     # BEGIN EXERCISE inside
     n, T, S = leaf.shape
     chart = leaf.new_zeros(n, T + 1, T + 1, S)
@@ -289,8 +286,7 @@ def outside(root, binary, chart):
             outer[i, k, B] += Σ_{A,C} outer[i, j, A] binary[A, B, C] chart[k, j, C]   (left child)
             outer[k, j, C] += Σ_{A,B} outer[i, j, A] binary[A, B, C] chart[i, k, B]   (right child)
     chart[i, j, A] outer[i, j, A] / Pr(x) = Pr(A spans exactly [i, j) | x). outer has chart's
-    shape, dtype and device; the inputs are not modified.
-    """
+    shape, dtype and device; the inputs are not modified."""
     # BEGIN EXERCISE outside
     n, T = chart.shape[0], chart.shape[1] - 1
     outer = torch.zeros_like(chart)

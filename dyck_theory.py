@@ -118,8 +118,7 @@ def model_output(params, X):
     """f(x) = (1/m) u^T relu(V h(x)) = Phi(x) u, h(x) = sum_j a_j x_j (Sec. 5).
 
     psi = (Q, K, V); params: dict Q, K [k,d] (k = d here), V [m,d], u [m]. The loss, for MLM and
-    downstream alike, is squared: L(psi, u) = E (f(x) - y)^2 (`mlm_loss`).
-    """
+    downstream alike, is squared: L(psi, u) = E (f(x) - y)^2 (`mlm_loss`)."""
     return features(params, X) @ params["u"]
 
 
@@ -152,8 +151,7 @@ def grad_norm_trace(params, X):
     params: dict Q, K [k,d], V [m,d], u [m]; X [N,T,d], the support, each row of weight 1/N.
     Returns floats {"Q", "K", "V", "u": 2 E ||grad_B f(x)||^2, "total": their sum}. Why:
     grad^2 L = 2 E[grad f grad f^T] + 2 E[(f - y) grad^2 f] and f = y at zero loss (the paper
-    omits the 2; its own proof has l'' = 2).
-    """
+    omits the 2; its own proof has l'' = 2)."""
     # BEGIN EXERCISE dyck_trace
     def f_single(p, x):
         return model_output(p, x[None])[0]
@@ -174,8 +172,7 @@ def lower_bound(T, m):
     ||grad_u f||^2 + ||grad_V f||^2 = (1/m^2) sum_i (relu(p_i)^2 + u_i^2 D_i ||h||^2)
     >= (2/m) ||h|| |f(x)|, with |f| = |y| = 1 at zero loss, and ||h||^2 = sum_j a_j^2 >= 1/T
     (the tokens are orthonormal); then Lemma F.4's factor 2. Equality: grad_Q f = grad_K f = 0,
-    a_j = 1/T, relu(p_i) = |u_i| ||h|| (`balance`), one sign of u_i among active neurons.
-    """
+    a_j = 1/T, relu(p_i) = |u_i| ||h|| (`balance`), one sign of u_i among active neurons."""
     # BEGIN EXERCISE lower_bound
     return 4.0 / (m * math.sqrt(T))
     # END EXERCISE lower_bound
@@ -187,8 +184,7 @@ def balance(params, X):
     f is unchanged (relu is positively homogeneous) and neuron i's trace becomes
     alpha^2 A_i + B_i / alpha^2 (A_i = E relu(V_i h)^2, B_i = u_i^2 E 1[V_i h > 0] |h|^2; the Q, K
     terms depend on V_i u_i only), minimal, 2 sqrt(A_i B_i), at alpha^4 = B_i / A_i. Neurons with
-    A_i = 0 or u_i = 0 do not affect f and are set to zero.
-    """
+    A_i = 0 or u_i = 0 do not affect f and are set to zero."""
     with torch.no_grad():
         h = attention_output(params["Q"], params["K"], X)
         p = h @ params["V"].T
@@ -209,8 +205,7 @@ def transferable_solution(T, m):
     h = z/T with z = sum_j x_j), V_1 = -V_2 = c [1_T; 0_T], u_1 = -u_2 = b, all other neurons 0.
     Then f = (b c / (m T)) y on the support, so zero loss needs b c = m T; equality in Lemma F.1
     needs relu(p_i) = |u_i| ||h||, i.e. c/T = b/sqrt(T). Solve for c, b > 0; the trace is then
-    (2/m^2)(c^2/T^2 + b^2/T).
-    """
+    (2/m^2)(c^2/T^2 + b^2/T)."""
     # BEGIN EXERCISE transferable
     Q, K = torch.zeros(2, 2 * T, 2 * T, dtype=DTYPE)             # uniform attention
     V = torch.zeros(m, 2 * T, dtype=DTYPE)

@@ -61,8 +61,7 @@ def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0):
     The draws: one torch.multinomial(p_θ, n_repeats · n_samples, replacement=True) with a
     torch.Generator seeded `seed`; repetition r takes each sentence's draws r · n_samples ..
     (r + 1) · n_samples - 1 and averages the N · n_samples squared norms. Returns floats: the
-    mean and the std (ddof=1) of the repetitions, as the paper reports; the model is unchanged.
-    """
+    mean and the std (ddof=1) of the repetitions, as the paper reports; the model is unchanged."""
     if n_samples < 1 or n_repeats < 2:
         raise ValueError(f"need n_samples >= 1, n_repeats >= 2 (a std): {n_samples}, {n_repeats}")
     if inputs.dim() != 2 or positions.shape != inputs.shape[:1]:

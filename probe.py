@@ -48,10 +48,11 @@ LINEAR_EPOCHS = 100
 LINEAR_BATCH = 512      # the authors' run_lp.py
 # Fine-tuning's grid, fixed before the runs: each checkpoint takes the (lr, updates) of best
 # accuracy on its validation split, the last 1/FT_VALID of the training sentences (the paper's
-# one recipe, lr 1e-4 for ~8k updates on 0.1M examples, has no CPU-sized counterpart; still
-# rising at 5120 updates, a side's choice may sit on the edge: rows say so, .bench/RESULTS.md)
+# one recipe, lr 1e-4 for ~8k updates on 0.1M examples, has no CPU-sized counterpart); a choice
+# on its edge widens it there, FT_EXTEND times at most (rows say if it stays there)
 FT_LRS = (3e-3, 1e-2, 3e-2)
 FT_UPDATES = (160, 320, 640, 1280, 2560, 5120)   # one constant-lr run per lr, judged at each
+FT_EXTEND = 1
 FT_VALID = 5
 FT_WARMUP = 100         # warm-up steps, then the lr stays
 FT_BATCH = 128          # the authors' run_ft.py
@@ -121,8 +122,7 @@ def linear_probe(x_train, y_train, x_test, y_test, n_classes, seed,
     training split's statistics (train.standardise: the same classifiers, but the fixed lr then
     means the same for every model). AdamW (lr, WEIGHT_DECAY) minimises the cross-entropy of
     softmax(x Wᵀ + b) on mini-batches of `batch_size`, `epochs` times; a test sentence is
-    correct where argmax(x Wᵀ + b) is its label.
-    """
+    correct where argmax(x Wᵀ + b) is its label."""
     # BEGIN EXERCISE linear_probe
     g = torch.Generator().manual_seed(seed)
     device = x_train.device
@@ -211,31 +211,41 @@ def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, proj_dim=
     on the training split less its last 1/FT_VALID (the validation split, never a test
     sentence), judged at every n of FT_UPDATES until it diverges (validation below half its
     best); the choice is the (lr, n) of best validation accuracy (ties: more updates, then the
-    smaller lr), where seeds 1..n_seeds-1 then run. -> (per seed the test correctness at the
-    choice; the grid [{lr, updates, val_acc, test_acc}] of seed 0; the chosen grid row)."""
+    smaller lr). A choice on the grid's edge widens the grid there, FT_EXTEND times at most: half
+    a decade of lr past an edge lr, twice the last n, half the first (a run replays its first
+    updates exactly: only new points are judged). Seeds 1..n_seeds-1 then run at the choice. ->
+    (per seed the test correctness at the choice; the grid [{lr, updates, val_acc, test_acc}]
+    of seed 0; the chosen grid row; whether it is still on the grid's edge)."""
     n_val = max(1, len(train_split[0]) // FT_VALID)
     fit = tuple(x[:-n_val] for x in train_split)
     judged = tuple(torch.cat([v[-n_val:], t]) for v, t in zip(train_split, test_split))
-    grid, correct = [], {}
-    for lr in FT_LRS:
-        top = 0.0
-        for n, c in finetune(model, fit, judged, n_classes, 0, lr, FT_UPDATES, proj_dim,
-                             device=device):
-            correct[lr, n] = c[n_val:]
-            grid.append({"lr": lr, "updates": n, "val_acc": c[:n_val].float().mean().item(),
-                         "test_acc": c[n_val:].float().mean().item()})
-            print(f"[finetune] lr {lr:g} x {n} updates: validation {grid[-1]['val_acc']:.4f}, "
-                  f"test {grid[-1]['test_acc']:.4f}", file=sys.stderr, flush=True)
-            top = max(top, grid[-1]["val_acc"])
-            if grid[-1]["val_acc"] < top / 2:     # diverged: the rest of this run is not run
-                break
-    # 100 validation sentences tie often; within a run test accuracy rose with the updates
-    # until the run diverged (.bench/RESULTS.md), so a tie goes to the longer run
-    best = max(grid, key=lambda r: (r["val_acc"], r["updates"], -r["lr"]))
-    at = tuple(n for n in FT_UPDATES if n <= best["updates"])
-    return [correct[best["lr"], best["updates"]]] + [
-        list(finetune(model, fit, test_split, n_classes, s, best["lr"], at, proj_dim,
-                      device=device))[-1][1] for s in range(1, n_seeds)], grid, best
+    lrs, ups, grid, correct, stop = list(FT_LRS), list(FT_UPDATES), [], {}, {}
+    for widened in range(FT_EXTEND + 1):
+        for lr in lrs:
+            at = tuple(n for n in ups if (lr, n) not in correct and n < stop.get(lr, math.inf))
+            for n, c in finetune(model, fit, judged, n_classes, 0, lr, at, proj_dim,
+                                 device=device) if at else ():
+                correct[lr, n], val = c[n_val:], c[:n_val].float().mean().item()
+                grid.append({"lr": lr, "updates": n, "val_acc": val,
+                             "test_acc": c[n_val:].float().mean().item()})
+                print(f"[finetune] lr {lr:g} x {n} updates: validation {val:.4f}, test "
+                      f"{grid[-1]['test_acc']:.4f}", file=sys.stderr, flush=True)
+                if val < max(r["val_acc"] for r in grid if r["lr"] == lr) / 2:
+                    stop[lr] = n                # diverged: the rest of this run is not run
+                    break
+        # 100 validation sentences tie often; within a run test accuracy rose with the updates
+        # until the run diverged (.bench/RESULTS.md), so a tie goes to the longer run
+        best = max(grid, key=lambda r: (r["val_acc"], r["updates"], -r["lr"]))
+        lr, n = best["lr"], best["updates"]
+        edge = lr in (lrs[0], lrs[-1]) or n in (ups[0], ups[-1])
+        if not edge or widened == FT_EXTEND:
+            break
+        half_decade = lambda k: float(f"{10 ** ((round(2 * math.log10(lr)) + k) / 2):.0e}")
+        lrs = [half_decade(-1)] * (lr == lrs[0]) + lrs + [half_decade(1)] * (lr == lrs[-1])
+        ups = [ups[0] // 2] * (n == ups[0]) + ups + [2 * ups[-1]] * (n == ups[-1])
+    return [correct[lr, n]] + [list(finetune(model, fit, test_split, n_classes, s, lr, (n,),
+                                             proj_dim, device=device))[0][1]
+                               for s in range(1, n_seeds)], grid, best, edge
 
 
 # ========== §4: flatness against accuracy among models of (nearly) the same pre-training loss
@@ -278,8 +288,7 @@ def paired_difference(n_correct_a, n_correct_b, n_probe_seeds):
         diff = mean_i d_i,   se = std_i(d_i, ddof=1) / sqrt(n)
     (the sample estimate of the standard error of a mean of n paired differences: test-set
     noise; probe-seed noise is averaged into c). Across the k runs: mean = mean of the diffs,
-    se_mean = their std (ddof=1) / sqrt(k), None for k = 1.
-    """
+    se_mean = their std (ddof=1) / sqrt(k), None for k = 1."""
     if np.shape(n_correct_a) != np.shape(n_correct_b) or np.ndim(n_correct_a) != 2:
         raise ValueError(f"paired comparison needs the same test sentences in every run; got "
                          f"{np.shape(n_correct_a)} and {np.shape(n_correct_b)}")
@@ -378,10 +387,8 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
         x, x_test = chart_features(lang, tok, lengths), chart_features(lang, tok_test, lengths_test)
     tuned = {}
     if method == "finetune":
-        by_seed, grid, best = tuned_finetune(model, *cache[key], n_classes, n_seeds, proj_dim,
-                                             device)
-        edge = (best["lr"] in (FT_LRS[0], FT_LRS[-1])
-                or best["updates"] in (FT_UPDATES[0], FT_UPDATES[-1]))
+        by_seed, grid, best, edge = tuned_finetune(model, *cache[key], n_classes, n_seeds,
+                                                   proj_dim, device)
         tuned = {"ft_grid": grid, "ft_choice": best, "ft_at_edge": edge}
     accs, n_correct = [], torch.zeros(n_test, dtype=torch.float64)   # seeds right, per sentence
     fit = sample_efficiency if method == "curve" else linear_probe
@@ -409,7 +416,8 @@ def probe_settings(step, task, method, n_train, n_test, n_seeds, proj_dim, epoch
     return {"step": int(step), "task": str(task), "method": method, "n_train": n_train,
             "n_test": n_test, "seeds": list(range(n_seeds)), "projection": proj_dim,
             "epochs": None if ft else epochs or LINEAR_EPOCHS,
-            **({"ft_grid_of": [list(FT_LRS), list(FT_UPDATES), FT_VALID, FT_WARMUP]} if ft else {})}
+            **({"ft_grid_of": [list(FT_LRS), list(FT_UPDATES), FT_VALID, FT_WARMUP, FT_EXTEND]}
+               if ft else {})}
 
 
 # ----------------------------------------------------------------------------- the summary

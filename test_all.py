@@ -4319,6 +4319,7 @@ def test_probe_tuned_finetune_chooses_on_the_validation_split(monkeypatch):
     ever chooses."""
     monkeypatch.setattr(probe, "FT_LRS", (1e-3, 3e-3, 1e-2, 3e-2))
     monkeypatch.setattr(probe, "FT_UPDATES", (40, 160, 640))
+    monkeypatch.setattr(probe, "FT_EXTEND", 0)
     n_train, n_test = 20, 6
     tok = torch.arange(n_train + n_test)[:, None].repeat(1, 3)       # sentence i: ids i
     split = lambda a, b: (tok[a:b], torch.full((b - a,), 3), torch.zeros(b - a, dtype=torch.long))
@@ -4333,16 +4334,56 @@ def test_probe_tuned_finetune_chooses_on_the_validation_split(monkeypatch):
             yield n, test if len(judged[0]) == n_test else torch.cat([torch.arange(4) < right,
                                                                        test])
     monkeypatch.setattr(probe, "finetune", stand_in)
-    by_seed, grid, best = probe.tuned_finetune(None, split(0, n_train), split(n_train, n_train +
-                                                                            n_test), 2, 3)
+    by_seed, grid, best, edge = probe.tuned_finetune(None, split(0, n_train),
+                                                     split(n_train, n_train + n_test), 2, 3)
     assert [(r["lr"], r["updates"]) for r in grid] == [
         (lr, n) for lr in (1e-3, 3e-3, 1e-2, 3e-2) for n in (40, 160, 640)][:-1]
     assert all(r[:3] == (0, lr, (40, 160, 640)) and r[3] == list(range(16))
                and r[4] == list(range(16, 26)) for r, lr in zip(runs, probe.FT_LRS))
-    assert [r[:3] for r in runs[4:]] == [(1, 3e-3, (40, 160, 640)), (2, 3e-3, (40, 160, 640))]
+    assert [r[:3] for r in runs[4:]] == [(1, 3e-3, (640,)), (2, 3e-3, (640,))]
     assert all(r[4] == list(range(20, 26)) for r in runs[4:])   # then the test split only
     assert (best["lr"], best["updates"]) == (3e-3, 640) and best["val_acc"] == 1.0
+    assert edge                                         # 640 is the last n, and FT_EXTEND is 0
     assert [c.tolist() for c in by_seed] == [[False] * n_test, [True] * n_test, [False] * n_test]
+
+
+@pytest.mark.parametrize("right, rounds, calls, choice, edge", [
+    # (1e-2, 80) is on two edges: half a decade below and twice the updates are judged; 3e-2
+    # diverged at 80 (1 of 4 after 3), so it is not run again; the choice is then inside
+    ({(1e-2, 40): 2, (1e-2, 80): 3, (3e-2, 40): 3, (3e-2, 80): 1, (3e-3, 160): 2}, 1,
+     [(1e-2, (40, 80)), (3e-2, (40, 80)), (3e-3, (40, 80, 160)), (1e-2, (160,))],
+     (1e-2, 80), False),
+    # (3e-2, 40) is on the top lr and the first n: 0.1 and n 20 join; (0.1, 80) wins, and is
+    # on the edge still, with FT_EXTEND rounds done
+    ({(1e-2, 40): 2, (3e-2, 40): 3, (3e-2, 80): 2, (0.1, 80): 4}, 1,
+     [(1e-2, (40, 80)), (3e-2, (40, 80)), (1e-2, (20,)), (3e-2, (20,)), (0.1, (20, 40, 80))],
+     (0.1, 80), True),
+    ({(1e-2, 40): 2, (3e-2, 40): 3}, 0, [(1e-2, (40, 80)), (3e-2, (40, 80))], (3e-2, 40), True),
+])
+def test_probe_tuned_finetune_widens_the_grid_past_an_edge_choice(monkeypatch, right, rounds,
+                                                                   calls, choice, edge):
+    """A choice on the grid's edge (FT_LRS (1e-2, 3e-2) x FT_UPDATES (40, 80)) widens it there,
+    FT_EXTEND rounds at most: half a decade of lr (3e-3 below 1e-2, 0.1 above 3e-2), twice the
+    last n or half the first; only the new points are judged, and a diverged lr not past its
+    stop. The row says whether the choice is on the widened grid's edge."""
+    monkeypatch.setattr(probe, "FT_LRS", (1e-2, 3e-2))
+    monkeypatch.setattr(probe, "FT_UPDATES", (40, 80))
+    monkeypatch.setattr(probe, "FT_EXTEND", rounds)
+    tok = torch.arange(26)[:, None].repeat(1, 3)
+    split = lambda a, b: (tok[a:b], torch.full((b - a,), 3), torch.zeros(b - a, dtype=torch.long))
+    runs = []
+
+    def stand_in(model, fit, judged, n_classes, seed, lr, at, proj_dim, device="cpu"):
+        runs.append((seed, lr, at))
+        for n in at:                                      # 4 validation, then 6 test sentences
+            yield n, torch.cat([torch.arange(4) < right.get((lr, n), 0), torch.ones(6, dtype=bool)])
+    monkeypatch.setattr(probe, "finetune", stand_in)
+    _, grid, best, at_edge = probe.tuned_finetune(None, split(0, 20), split(20, 26), 2, 2)
+    assert [r[1:] for r in runs[:-1]] == calls and all(r[0] == 0 for r in runs[:-1])
+    assert runs[-1] == (1, choice[0], (choice[1],))            # seed 1 at the choice alone
+    assert sorted((r["lr"], r["updates"]) for r in grid) == sorted(
+        (lr, n) for lr, at in calls for n in at)                   # each point judged once
+    assert (best["lr"], best["updates"]) == choice and at_edge == edge
 
 
 def test_probe_finetune_default_recipe_beats_majority_class(tmp_path, monkeypatch):
@@ -4350,6 +4391,7 @@ def test_probe_finetune_default_recipe_beats_majority_class(tmp_path, monkeypatc
     # HMM, task-3)
     monkeypatch.setattr(probe, "FT_LRS", (3e-3, 1e-2))
     monkeypatch.setattr(probe, "FT_UPDATES", (40, 100))
+    monkeypatch.setattr(probe, "FT_EXTEND", 0)
     monkeypatch.setattr(probe, "FT_WARMUP", 4)
     lang = data.HMM.random(n_states=6, vocab_size=10, n_blocks=2, length=6, seed=0)
     (tmp_path / "hmm6.json").write_text(json.dumps(lang.spec()))
@@ -5223,7 +5265,8 @@ _CTRL_C = r"""
 import os, signal, subprocess, sys, time
 script, *argv = sys.argv[1:]
 p = subprocess.Popen([sys.executable, script, *argv], stdout=subprocess.PIPE,
-                     stderr=subprocess.PIPE, text=True)
+                     stderr=subprocess.PIPE, text=True,   # a shell's `&` ignores SIGINT: undo it
+                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 line = "?"
 while line and not line.startswith("{"):              # the first row is out
     line = p.stdout.readline()
