@@ -4,7 +4,7 @@ for E2). Both sides of every pair at lr 0, fine-tuning tuned per checkpoint, the
 a rescaling-invariant trace beside Tr F and Tr H, every size probed through one 512-d width.
 
     python .bench/controls.py floor SEED          # E1's B: a finished floor matching A's KL
-    python .bench/controls.py measure SEED        # every measure at the pair (~45 min, 1 core)
+    python .bench/controls.py measure SEED        # every measure at the pair (~45-90 min)
     python .bench/controls.py report SEED ...     # per seed, and 95 % t-intervals over seeds
     python .bench/controls.py chain SEED          # one seed's whole chain, E1 then E2, in order
     LATE=10 python .bench/controls.py ...         # the 7,000-step dose (default 20: 17,000)
@@ -23,7 +23,8 @@ weight norms); on the root (task A) of the same 8,000 test sentences, the 512-d 
 every side, 3 probe seeds: the linear probe on 4,000 sentences for 400 epochs (the ceiling row),
 its sample-efficiency area over 125 ... 4,000 sentences (probe.py --method curve; the transfer
 measure with room); and fine-tuning on 500 sentences, tuned on their validation fifth, one
-probe seed (its grid runs up to 15,360 updates: the compute goes to training seeds instead).
+probe seed (its grid runs up to 15,360 updates, ~36,000 where a choice on its edge widens it:
+the compute goes to training seeds instead).
 """
 import json
 import math
