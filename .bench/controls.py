@@ -196,8 +196,10 @@ def report(seeds):
                   f"{k} {v:.2f}x" for k, v in ratio.items()))
         for setting, label in SETTINGS:
             method = setting.split("_")[0]
-            pa, pb = ([r for r in rows_at(c, "probe.jsonl") if r["method"] == method
-                       and r["n_test"] == 8000][-1:] for c in (a, b))
+            grid = probe.probe_settings(0, "A", method, 0, 0, 1, None, None).get("ft_grid_of")
+            pa, pb = ([r for r in rows_at(c, "probe.jsonl") if r["method"] == method   # today's
+                       and r["n_test"] == 8000 and r.get("ft_grid_of") == grid][-1:]  # grid only
+                      for c in (a, b))
             if not (pa and pb):
                 print(f"  {label}: not measured")
                 continue
