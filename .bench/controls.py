@@ -4,7 +4,7 @@ for E2). Both sides of every pair at lr 0, fine-tuning tuned per checkpoint, the
 a rescaling-invariant trace beside Tr F and Tr H, every size probed through one 512-d width.
 
     python .bench/controls.py floor SEED          # E1's B: a finished floor matching A's KL
-    python .bench/controls.py measure SEED        # every measure at the pair (~45-90 min)
+    python .bench/controls.py measure SEED        # every measure at the pair (~40-90 min)
     python .bench/controls.py report SEED ...     # per seed, and 95 % t-intervals over seeds
     python .bench/controls.py chain SEED          # one seed's whole chain, E1 then E2, in order
     LATE=10 python .bench/controls.py ...         # the 7,000-step dose (default 20: 17,000)
