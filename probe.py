@@ -223,6 +223,9 @@ def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, proj_dim=
     for widened in range(FT_EXTEND + 1):
         for lr in lrs:
             at = tuple(n for n in ups if (lr, n) not in correct and n < stop.get(lr, math.inf))
+            if at and widened:                  # the replay of judged updates prints nothing
+                print(f"[finetune] widened: lr {lr:g} run to {at[-1]} updates, first new {at[0]}",
+                      file=sys.stderr, flush=True)
             for n, c in finetune(model, fit, judged, n_classes, 0, lr, at, proj_dim,
                                  device=device) if at else ():
                 correct[lr, n], val = c[n_val:], c[:n_val].float().mean().item()
