@@ -177,8 +177,7 @@ def report(seeds):
     """Per seed the pair and B - A of every measure; over the matched seeds each setting's 95 %
     t-interval (does it exclude 0, the paper's effect?) and r of the gain with the log ratio of
     each flatness measure, beside r with the KL difference (the loss baseline)."""
-    gains, logs = {s: [] for s, _ in SETTINGS}, {k: [] for k in ("Tr F", "Tr H", "adaptive",
-                                                                 "‖θ‖", "dKL")}
+    gains, n_matched = {s: [] for s, _ in SETTINGS}, 0   # per setting: (gain, its pair's logs)
     for seed in seeds:
         a, b, margin = pair(seed)
         (ha,), (hb,) = (rows_at(c, "hessian.jsonl")[-1:] or [None] for c in (a, b))
@@ -211,25 +210,31 @@ def report(seeds):
             print(f"  {label:24s} {pa[0]['acc']:.4f} -> {pb[0]['acc']:.4f}: B - A "
                   f"{100 * d:+.2f} ± {100 * se:.2f} points{tuned}")
             if matched:
-                gains[setting].append(100 * d)
-        if matched:
-            for k, v in ratio.items():
-                logs[k].append(math.log(v))
-            logs["dKL"].append(kb["kl"] - ka["kl"])
+                gains[setting].append((100 * d, {**{k: math.log(v) for k, v in ratio.items()},
+                                                 "dKL": kb["kl"] - ka["kl"]}))
+        n_matched += matched
     paper = PAPER[AGAINST]
-    print(f"over the {len(logs['dKL'])} matched seeds:")
+    print(f"over the {n_matched} matched seeds (each setting over those where it is measured):")
     for setting, label in SETTINGS:
-        g = np.array(gains[setting])
+        g = np.array([gain for gain, _ in gains[setting]])
         if len(g) < 2:
             print(f"  {label}: {len(g)} matched seed(s), no interval")
             continue
+        logs = {k: np.array([x[k] for _, x in gains[setting]]) for k in gains[setting][0][1]}
         mean, se, lo, hi = probe.t_interval(g)
         rs = ", ".join(f"{k} {np.corrcoef(g, v)[0, 1]:+.2f}" for k, v in logs.items()
                        if len(g) > 2 and np.std(v) > 0)
-        print(f"  {label:24s} B - A {mean:+.2f} ± {se:.2f} (95 % {lo:+.2f} to {hi:+.2f}; "
-              f"excludes 0: {'yes' if lo > 0 or hi < 0 else 'no'}, excludes +{paper}: "
+        print(f"  {label:24s} B - A {mean:+.2f} ± {se:.2f} over {len(g)} (95 % {lo:+.2f} to "
+              f"{hi:+.2f}; excludes 0: {'yes' if lo > 0 or hi < 0 else 'no'}, excludes +{paper}: "
               f"{'yes' if lo > paper or hi < paper else 'no'}); r of the gain with the log "
               f"ratio of: {rs or '-'}")
+        if len(g) > 3:          # the loss baseline beside the flatness correlations (§4)
+            partial = (probe.partial_r2(g, logs[k], logs["dKL"]) for k in ("Tr F", "Tr H",
+                                                                            "adaptive"))
+            print(f"    loss baseline: R² on dKL {probe.regression(logs['dKL'], g)[0]:.2f}; "
+                  "partial r² given dKL of log " + ", ".join(
+                      f"{k} {r2:.2f} ({sign:+.0f})" for k, (r2, sign) in
+                      zip(("Tr F", "Tr H", "adaptive"), partial)))
 
 
 def run(argv, **env):
