@@ -176,8 +176,11 @@ def rows_at(ckpt, rows):
 def report(seeds):
     """Per seed the pair and B - A of every measure; over the matched seeds each setting's 95 %
     t-interval (does it exclude 0, the paper's effect?) and r of the gain with the log ratio of
-    each flatness measure, beside r with the KL difference (the loss baseline)."""
+    each flatness measure, beside the loss baseline: r and R² on the KL difference, and each
+    trace's partial r² given it."""
     gains, n_matched = {s: [] for s, _ in SETTINGS}, 0   # per setting: (gain, its pair's logs)
+    grids = {s: probe.probe_settings(0, "A", s.split("_")[0], 0, 0, 1, None, None).get(
+        "ft_grid_of") for s, _ in SETTINGS}              # today's fine-tuning grid, or None
     for seed in seeds:
         a, b, margin = pair(seed)
         (ha,), (hb,) = (rows_at(c, "hessian.jsonl")[-1:] or [None] for c in (a, b))
@@ -195,9 +198,8 @@ def report(seeds):
                   f"{k} {v:.2f}x" for k, v in ratio.items()))
         for setting, label in SETTINGS:
             method = setting.split("_")[0]
-            grid = probe.probe_settings(0, "A", method, 0, 0, 1, None, None).get("ft_grid_of")
-            pa, pb = ([r for r in rows_at(c, "probe.jsonl") if r["method"] == method   # today's
-                       and r["n_test"] == 8000 and r.get("ft_grid_of") == grid][-1:]  # grid only
+            pa, pb = ([r for r in rows_at(c, "probe.jsonl") if r["method"] == method
+                       and r["n_test"] == 8000 and r.get("ft_grid_of") == grids[setting]][-1:]
                       for c in (a, b))
             if not (pa and pb):
                 print(f"  {label}: not measured")
@@ -229,12 +231,10 @@ def report(seeds):
               f"{'yes' if lo > paper or hi < paper else 'no'}); r of the gain with the log "
               f"ratio of: {rs or '-'}")
         if len(g) > 3:          # the loss baseline beside the flatness correlations (§4)
-            partial = (probe.partial_r2(g, logs[k], logs["dKL"]) for k in ("Tr F", "Tr H",
-                                                                            "adaptive"))
+            partial = ", ".join(f"{k} {r2:.2f} ({sign:+.0f})" for k in ("Tr F", "Tr H", "adaptive")
+                                for r2, sign in [probe.partial_r2(g, logs[k], logs["dKL"])])
             print(f"    loss baseline: R² on dKL {probe.regression(logs['dKL'], g)[0]:.2f}; "
-                  "partial r² given dKL of log " + ", ".join(
-                      f"{k} {r2:.2f} ({sign:+.0f})" for k, (r2, sign) in
-                      zip(("Tr F", "Tr H", "adaptive"), partial)))
+                  f"partial r² given dKL of log {partial}")
 
 
 def run(argv, **env):
