@@ -5441,6 +5441,7 @@ def test_bad_input_bench_e1_dose_refuses_in_one_line(tmp_path, env, argv, said):
 
 @pytest.mark.parametrize("env, argv, said", [
     ({}, ["report", "11"], "no {runs}/dose-fin20-s11.json: run floor 11 first"),
+    ({}, ["report", "11", "12"], "seed 11: no {runs}/dose-fin20-s11.json"),  # none has a pair
     ({}, ["floor", "11"], "no run {runs}/dose-s11 (construct it first"),
     ({"AGAINST": "L4H4"}, ["measure", "11"], "no run {runs}/dose-b3-s11"),
     ({"AGAINST": "bogus"}, ["report", "11"], "AGAINST must be later, L4H4 or L8H2, not bogus"),

@@ -124,8 +124,6 @@ def pair(seed):
         a, b = evals(a_run)[-1], evals(b_run)[-1]
         return (train.ckpt_path(os.path.join(R, a_run), a["step"]),
                 train.ckpt_path(os.path.join(R, b_run), b["step"]), choice["margin_se"])
-    if AGAINST not in PAPER:
-        raise ValueError(f"AGAINST must be later, L4H4 or L8H2, not {AGAINST}")
     a, floor_b = evals(a_run)[-1], evals(f"dose-{AGAINST}b3-s{seed}")
     ranked, margin = probe.match_kl(a["kl"], a["kl_se"], floor_b)
     return (train.ckpt_path(os.path.join(R, a_run), a["step"]),
@@ -181,8 +179,19 @@ def report(seeds):
     gains, n_matched = {s: [] for s, _ in SETTINGS}, 0   # per setting: (gain, its pair's logs)
     grids = {s: probe.probe_settings(0, "A", s.split("_")[0], 0, 0, 1, None, None).get(
         "ft_grid_of") for s, _ in SETTINGS}              # today's fine-tuning grid, or None
+    pairs = {}
     for seed in seeds:
-        a, b, margin = pair(seed)
+        try:
+            pairs[seed] = pair(seed)
+        except ValueError as e:            # a seed whose chain has not reached this pair yet
+            pairs[seed] = str(e).removeprefix(f"seed {seed}: ")
+    if all(isinstance(p, str) for p in pairs.values()):
+        raise ValueError(f"seed {seeds[0]}: {pairs[seeds[0]]}")
+    for seed, p in pairs.items():
+        if isinstance(p, str):
+            print(f"seed {seed}: {p}")
+            continue
+        a, b, margin = p
         (ha,), (hb,) = (rows_at(c, "hessian.jsonl")[-1:] or [None] for c in (a, b))
         if ha is None or hb is None:
             print(f"seed {seed}: not measured yet (measure {seed})")
@@ -231,7 +240,7 @@ def report(seeds):
               f"{'yes' if lo > paper or hi < paper else 'no'}); r of the gain with the log "
               f"ratio of: {rs or '-'}")
         if len(g) > 3:          # the loss baseline beside the flatness correlations (§4)
-            partial = ", ".join(f"{k} {r2:.2f} ({sign:+.0f})" for k in ("Tr F", "Tr H", "adaptive")
+            partial = ", ".join(f"{k} {r2:.2f} ({'+' if sign > 0 else '−'})" for k in ("Tr F", "Tr H", "adaptive")
                                 for r2, sign in [probe.partial_r2(g, logs[k], logs["dKL"])])
             print(f"    loss baseline: R² on dKL {probe.regression(logs['dKL'], g)[0]:.2f}; "
                   f"partial r² given dKL of log {partial}")
@@ -252,6 +261,8 @@ def main(argv=None):
     if way not in ("floor", "measure", "report", "chain") or not seeds or (way != "report"
                                                                   and len(seeds) > 1):
         sys.exit(__doc__.split("\n\n")[1].rstrip())
+    if AGAINST not in PAPER:
+        sys.exit(f"controls.py: error: AGAINST must be later, L4H4 or L8H2, not {AGAINST}")
     if not all(s.isdigit() for s in seeds) or not LATE.isdigit():
         sys.exit(f"controls.py: error: SEED and LATE must be whole numbers, got {seeds}, {LATE}")
     try:
