@@ -83,10 +83,10 @@ case $way in refine|measure) constructed "$s" ;; report) for x in "${@:2}"; do c
 esac
 MODEL="--lang pcfg-deep --preset tf-deep --batch 512 --precision fp32 --runs $R"
 ckpt() { printf "%s/%s/ckpt_%07d.pt" "$R" "$1" "$2"; }
-train_to() {  # RUN STEPS LR EVAL_EVERY [SIZE]: a constant run to STEPS, resumed if it exists
-  local warmup
+train_to() {  # RUN STEPS LR EVAL_EVERY [SIZE]: a constant run to STEPS, resumed where it has a
+  local warmup  # checkpoint (one killed before its first starts again)
   warmup=$(python -c "print(720 / $2)")
-  if [ -f "$R/$1/metrics.jsonl" ]; then
+  if compgen -G "$R/$1/ckpt_*.pt" >/dev/null; then
     [ -f "$(ckpt "$1" "$2")" ] || python train.py --name "$1" --runs "$R" --resume --steps "$2"
   else
     python train.py $MODEL ${5:-} --lr "$3" --schedule const --warmup "$warmup" --steps "$2" \
