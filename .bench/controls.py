@@ -175,7 +175,7 @@ def report(seeds):
     """Per seed the pair and B - A of every measure; over the matched seeds each setting's 95 %
     t-interval (does it exclude 0, the paper's effect?) and r of the gain with the log ratio of
     each flatness measure, beside the loss baseline: r and R² on the KL difference, and each
-    trace's partial r² given it."""
+    trace's partial r² given it. A seed whose chain has not reached its pair yet is one line."""
     gains, n_matched = {s: [] for s, _ in SETTINGS}, 0   # per setting: (gain, its pair's logs)
     grids = {s: probe.probe_settings(0, "A", s.split("_")[0], 0, 0, 1, None, None).get(
         "ft_grid_of") for s, _ in SETTINGS}              # today's fine-tuning grid, or None
@@ -240,7 +240,8 @@ def report(seeds):
               f"{'yes' if lo > paper or hi < paper else 'no'}); r of the gain with the log "
               f"ratio of: {rs or '-'}")
         if len(g) > 3:          # the loss baseline beside the flatness correlations (§4)
-            partial = ", ".join(f"{k} {r2:.2f} ({'+' if sign > 0 else '−'})" for k in ("Tr F", "Tr H", "adaptive")
+            partial = ", ".join(f"{k} {r2:.2f} ({'+' if sign > 0 else '−'})"
+                                for k in ("Tr F", "Tr H", "adaptive")
                                 for r2, sign in [probe.partial_r2(g, logs[k], logs["dKL"])])
             print(f"    loss baseline: R² on dKL {probe.regression(logs['dKL'], g)[0]:.2f}; "
                   f"partial r² given dKL of log {partial}")
