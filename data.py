@@ -842,17 +842,25 @@ def write_whole(path, write, mode="wb"):
 
 def append_line(path, line):
     """Append one line (a JSON row) whole or not at all (on failure the file is cut back); a
-    last line cut short before (by a killed process) is removed first."""
+    last line cut short before (by a killed process: it does not parse) is removed first, a
+    whole last row without its newline (an edit by hand) keeps its row and gains the newline."""
     with open(path, "ab+", buffering=0) as f:                  # reads anywhere, writes at the end
         size = f.seek(0, os.SEEK_END)
         f.seek(max(size - 1, 0))
+        prefix = b""
         if size and f.read(1) != b"\n":
             f.seek(0)
-            size = f.read().rfind(b"\n") + 1                   # where the cut line starts
-            os.ftruncate(f.fileno(), size)
-            print(f"{path}: removed its half-written last line", file=sys.stderr)
+            start = f.read().rfind(b"\n") + 1                  # where the last line starts
+            f.seek(start)
+            try:
+                json.loads(f.read())
+                prefix = b"\n"                                 # a whole row: keep it
+            except ValueError:
+                size = start
+                os.ftruncate(f.fileno(), size)
+                print(f"{path}: removed its half-written last line", file=sys.stderr)
         try:
-            rest = memoryview((line.rstrip("\n") + "\n").encode())
+            rest = memoryview(prefix + (line.rstrip("\n") + "\n").encode())
             while rest:                               # a write may land in part, then fail
                 rest = rest[f.write(rest):]
         except BaseException as e:

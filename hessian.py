@@ -411,7 +411,7 @@ def masked_sentences(lang, n, seed=SENTENCE_SEED):
 
 def measure_checkpoint(path, args):
     """One JSON row for checkpoint `path`, or None for a lookup table (no parameters)."""
-    net, ckpt, lang = train.load_checkpoint(path, device=args.device)
+    net, ckpt, lang = train.load_checkpoint(path, device=args.device, finite=True)
     if ckpt["kind"] == "lookup":
         print(f"{path}: a lookup table has no parameters, so no Hessian: skipped", file=sys.stderr)
         return None
@@ -433,6 +433,10 @@ def measure_checkpoint(path, args):
         row.update(fisher_gap=gap, fisher_gap_se=gap_se)
     with torch.no_grad(), measuring(net):
         row["loss"] = pretraining_loss(net, inputs, positions, targets).item()
+    bad = [k for k in ("trace", "adaptive_trace", "fisher_gap", "loss")
+           if k in row and not math.isfinite(row[k])]
+    if bad:
+        raise ValueError(f"{path}: its {', '.join(bad)} came out non-finite: no row saved")
     row.update(measured_settings(args), seed=DRAW_SEED, sentence_seed=SENTENCE_SEED,
                n_params=model_lib.n_params(net), wall_s=round(time.time() - t0, 2))
 

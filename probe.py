@@ -6,8 +6,12 @@ Reading order:
   concat_features     the representation: last-layer features of all tokens, concatenated
   word_features       the words alone, one-hot: what a task gives away without a model
   chart_features      a PCFG's exact chart of span posteriors: what is known of the parse
-  linear_probe        App. A.4's probe: 512-d Gaussian projection, standardised, softmax head
-  sample_efficiency   its accuracy over training-set sizes, as one number (a measure with room)
+  linear_probe        App. A.4's probe, solved: standardised features, L2-regularised softmax
+                      regression to its optimum (L-BFGS), a convergence certificate
+  probe_map           an orthonormal map to a common width, for models of unequal width
+  tuned_probe         its L2 strength chosen on a validation fifth of the training sentences
+  adamw_probe         the record's probe (Gaussian map, then AdamW for fixed epochs): a bridge
+  sample_efficiency   accuracy over training-set sizes, as one number (a measure with room)
   finetune            the network plus a linear head (App. A.4); tuned_finetune: (lr, updates)
   partial_r2          the trace's partial r² given KL: what flatness explains beyond the loss
   paired_difference   two checkpoints on the same test sentences, per training seed and across
@@ -43,17 +47,22 @@ import train
 
 METHODS = ("linear", "curve", "finetune", "onehot", "chart")
 CURVE_POINTS = 6        # curve: the linear probe on n_train / 2^5, ..., n_train / 2, n_train
-LINEAR_LR = 1e-3        # AdamW lr of the linear head
+L2_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)   # the solved probe's L2 strengths, fixed before the runs
+PROBE_TOL = 1e-6        # the solved probe stops at max |gradient| <= this (its certificate)
+PROBE_MAX_ITER = 3000   # L-BFGS iterations at most; a row records what it took
+VALID_SHARE = 5         # the probe's L2 and fine-tuning's (lr, updates) are chosen on the
+                        # training split's last 1/VALID_SHARE, never on a test sentence
+PROBES = ("solved", "adamw")   # adamw: the record's probe (adamw_probe), a bridge to it
+LINEAR_LR = 1e-3        # adamw_probe: AdamW lr of the linear head
 LINEAR_EPOCHS = 100
 LINEAR_BATCH = 512      # the authors' run_lp.py
 # Fine-tuning's grid, fixed before the runs: each checkpoint takes the (lr, updates) of best
-# accuracy on its validation split, the last 1/FT_VALID of the training sentences (the paper's
+# accuracy on its validation split (the paper's
 # one recipe, lr 1e-4 for ~8k updates on 0.1M examples, has no CPU-sized counterpart); a choice
 # on its edge widens it there, FT_EXTEND times at most (rows say if it stays there)
 FT_LRS = (3e-3, 1e-2, 3e-2)
 FT_UPDATES = (160, 320, 640, 1280, 2560, 5120)   # one constant-lr run per lr, judged at each
 FT_EXTEND = 1
-FT_VALID = 5
 FT_WARMUP = 100         # warm-up steps, then the lr stays
 FT_BATCH = 128          # the authors' run_ft.py
 FT_CLIP = 1.0
@@ -108,11 +117,94 @@ def chart_features(lang, tokens, lengths, batch_size=FEATURE_BATCH):
                       for b in range(0, len(tokens), batch_size)])
 
 
-def linear_probe(x_train, y_train, x_test, y_test, n_classes, seed,
-                 proj_dim=train.PROJ_DIM, epochs=LINEAR_EPOCHS, lr=LINEAR_LR,
-                 batch_size=LINEAR_BATCH):
-    """App. A.4's linear probe on frozen features -> correctness of each test prediction,
-    bool [n_test] (on the CPU).
+def linear_probe(x_train, y_train, x_test, y_test, n_classes, l2, R=None, tol=PROBE_TOL,
+                 max_iter=PROBE_MAX_ITER):
+    """App. A.4's linear probe, solved to its optimum -> (correctness of each test prediction,
+    bool [n_test] on the CPU; its certificate {"grad_max": max |gradient| at the answer,
+    "iterations": L-BFGS's}).
+
+    x_train [n, D], x_test [m, D] features (concat_features), y_* class ids < n_classes. Both
+    splits are standardised with the training split's column mean and std (train.standardise),
+    so no per-feature scale or shift reaches the probe; then, if R [D, k] is given, mapped by R
+    (probe_map: orthonormal columns, so it does not distort the L2 geometry); with fewer
+    examples than features, onto an orthonormal basis of the training rows' span, where the
+    optimal W lies (the representer theorem: the same optimum, cheaper). In float64, from
+    W = 0, b = 0, full-batch L-BFGS (strong-Wolfe line search) minimises the convex
+        mean_i CE(softmax(x_i Wᵀ + b), y_i) + l2 / 2 · (||W||² + ||b||²)
+    until max |gradient| <= tol or max_iter iterations; a test sentence is correct where
+    argmax(x Wᵀ + b) is its label. The bias is penalised too: a class absent from a small
+    training split would otherwise send its bias to -inf, and no solver would converge. The
+    optimum is unique for l2 > 0, so the answer does not depend on the order of the examples."""
+    # BEGIN EXERCISE linear_probe
+    x_train, x_test = train.standardise(x_train.double(), x_test.double())
+    if R is not None:
+        x_train, x_test = x_train @ R.double(), x_test @ R.double()
+    if len(x_train) < x_train.shape[1]:   # fewer examples than features: the optimal W lies in
+        Q, _ = torch.linalg.qr(x_train.T)  # the training rows' span, so solve in an orthonormal
+        x_train, x_test = x_train @ Q, x_test @ Q    # basis of it: the same optimum, cheaper
+    W = torch.zeros(n_classes, x_train.shape[1], dtype=torch.float64, requires_grad=True)
+    b = torch.zeros(n_classes, dtype=torch.float64, requires_grad=True)
+    y_train = y_train.to(x_train.device)
+
+    def objective():
+        return (F.cross_entropy(x_train @ W.T + b, y_train)
+                + l2 / 2 * (W.square().sum() + b.square().sum()))
+
+    def closure():
+        opt.zero_grad()
+        loss = objective()
+        loss.backward()
+        return loss
+    opt = torch.optim.LBFGS([W, b], lr=1, max_iter=max_iter, tolerance_grad=tol,
+                            tolerance_change=0, history_size=20, line_search_fn="strong_wolfe")
+    opt.step(closure)
+    grad_W, grad_b = torch.autograd.grad(objective(), [W, b])
+    certificate = {"grad_max": max(grad_W.abs().max().item(), grad_b.abs().max().item()),
+                   "iterations": opt.state[opt._params[0]]["n_iter"]}
+    with torch.no_grad():
+        return (x_test @ W.T + b).argmax(1).eq(y_test.to(x_test.device)).cpu(), certificate
+    # END EXERCISE linear_probe
+
+
+def probe_map(d_in, width, seed):
+    """A random map [d_in, width] with orthonormal columns (QR of a Gaussian drawn by a
+    torch.Generator seeded `seed`), or None where width is None or >= d_in: a common width for
+    models of unequal width that, unlike a Gaussian map, keeps the standardised features' L2
+    geometry (at equal widths a rotation: nothing changes, hence none)."""
+    if width is None or width >= d_in:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(d_in, width, generator=g, dtype=torch.float64))
+    return Q
+
+
+def tuned_probe(x_train, y_train, x_test, y_test, n_classes, seed, width=None):
+    """The solved probe as a protocol: its L2 strength from L2_GRID chosen on the training
+    split's last 1/VALID_SHARE (best validation accuracy of linear_probe fitted on the rest; a
+    tie goes to the stronger penalty), then linear_probe on the whole training split at that
+    strength; every solve through probe_map(D, width, seed). No test sentence chooses anything.
+    -> (correct [n_test], {"l2": the choice, "grad_max", "iterations": the worst certificate
+    of every solve})."""
+    R = probe_map(x_train.shape[1], width, seed)
+    n_val = max(1, len(x_train) // VALID_SHARE)
+    fit, val = (x_train[:-n_val], y_train[:-n_val]), (x_train[-n_val:], y_train[-n_val:])
+    scores, worst = {}, {"grad_max": 0.0, "iterations": 0}
+    for l2 in L2_GRID:
+        correct, cert = linear_probe(*fit, *val, n_classes, l2, R)
+        scores[l2] = correct.double().mean().item()
+        worst = {k: max(worst[k], cert[k]) for k in worst}
+    l2 = max(L2_GRID, key=lambda l2: (scores[l2], l2))    # a tie: the stronger penalty
+    correct, cert = linear_probe(x_train, y_train, x_test, y_test, n_classes, l2, R)
+    return correct, {"l2": l2, **{k: max(worst[k], cert[k]) for k in worst}}
+
+
+def adamw_probe(x_train, y_train, x_test, y_test, n_classes, seed,
+                proj_dim=train.PROJ_DIM, epochs=LINEAR_EPOCHS, lr=LINEAR_LR,
+                batch_size=LINEAR_BATCH):
+    """The record's probe (`--probe adamw`), kept to bridge to the earlier measurements: not
+    solved, and its Gaussian map comes before the standardisation, so per-feature scale and the
+    optimiser's conditioning reach its answer (linear_probe is the probe) -> (correctness of
+    each test prediction, bool [n_test] on the CPU; {}: it has no certificate).
 
     x_train [n, D], x_test [m, D] features (concat_features), y_* class ids < n_classes. One
     torch.Generator seeded `seed` draws, in this order: the projection R [D, proj_dim]
@@ -123,7 +215,6 @@ def linear_probe(x_train, y_train, x_test, y_test, n_classes, seed,
     means the same for every model). AdamW (lr, WEIGHT_DECAY) minimises the cross-entropy of
     softmax(x Wᵀ + b) on mini-batches of `batch_size`, `epochs` times; a test sentence is
     correct where argmax(x Wᵀ + b) is its label."""
-    # BEGIN EXERCISE linear_probe
     g = torch.Generator().manual_seed(seed)
     device = x_train.device
     if proj_dim is not None:
@@ -145,32 +236,31 @@ def linear_probe(x_train, y_train, x_test, y_test, n_classes, seed,
             loss.backward()
             opt.step()
     with torch.no_grad():
-        return (x_test @ W.T + b).argmax(1).eq(y_test).cpu()
-    # END EXERCISE linear_probe
+        return (x_test @ W.T + b).argmax(1).eq(y_test).cpu(), {}
 
 
-def sample_efficiency(x_train, y_train, x_test, y_test, n_classes, seed, proj_dim, epochs):
-    """The linear probe's sample-efficiency curve as one number: linear_probe trained on the
-    first n of the training split for n = n_train / 2^(CURVE_POINTS-1), ..., n_train / 2,
-    n_train, each on the same test split; the area under accuracy against log n, as a share of
-    the axis (trapezoids on equally spaced log n). -> per test sentence its weighted
-    correctness, float64 [n_test], whose mean is that area."""
+def sample_efficiency(x_train, y_train, x_test, y_test, probe):
+    """The probe's sample-efficiency curve as one number: probe(x, y, x_test, y_test) -> (correct,
+    certificate) trained on the first n of the training split for n = n_train / 2^(CURVE_POINTS-1),
+    ..., n_train / 2, n_train, each on the same test split; the area under accuracy against
+    log n, as a share of the axis (trapezoids on equally spaced log n). -> (per test sentence its
+    weighted correctness, float64 [n_test], whose mean is that area; the certificates)."""
     sizes = [len(x_train) >> k for k in range(CURVE_POINTS - 1, -1, -1)]
-    if sizes[0] < 2:
+    if sizes[0] < 2 * VALID_SHARE:
         raise ValueError(f"the curve's smallest training set, {sizes[0]}, needs n_train >= "
-                         f"{2 << CURVE_POINTS - 1}")
+                         f"{2 * VALID_SHARE << CURVE_POINTS - 1}")
     weights = torch.tensor([0.5] + [1.0] * (CURVE_POINTS - 2) + [0.5]) / (CURVE_POINTS - 1)
-    return sum(w * linear_probe(x_train[:n], y_train[:n], x_test, y_test, n_classes, seed,
-                                proj_dim, epochs).double() for w, n in zip(weights, sizes))
+    each = [probe(x_train[:n], y_train[:n], x_test, y_test) for n in sizes]
+    return sum(w * c.double() for w, (c, _) in zip(weights, each)), [c for _, c in each]
 
 
 def finetune(model, train_split, test_split, n_classes, seed, lr=3e-3, at=(160,),
-             proj_dim=train.PROJ_DIM, warmup=FT_WARMUP, batch_size=FT_BATCH, device="cpu"):
+             width=None, warmup=FT_WARMUP, batch_size=FT_BATCH, device="cpu"):
     """Yields (n, correctness bool [n_test]) after each n of `at` updates of a copy of the whole
-    network plus a linear head on concat_features (App. A.4) through a fixed Gaussian projection
-    to proj_dim features (None: none), one head size for every width: AdamW at lr after a
-    linear warm-up of `warmup` updates, constant after (one run serves every n of `at`),
-    gradients clipped to FT_CLIP, one reshuffle of the training split per pass. `model` is
+    network plus a linear head on concat_features (App. A.4) through the probe's map,
+    probe_map(D, width, seed) (None: the full width D): AdamW at lr after a linear warm-up of
+    `warmup` updates, constant after (one run serves every n of `at`), gradients clipped to
+    FT_CLIP, one reshuffle of the training split per pass. `model` is
     unchanged; the global RNG (dropout's) is restored at the end."""
     (tok, lengths, y), (tok_test, lengths_test, y_test) = train_split, test_split
     width = max(tok.shape[1], tok_test.shape[1])  # one head for both splits: width·d inputs
@@ -179,8 +269,8 @@ def finetune(model, train_split, test_split, n_classes, seed, lr=3e-3, at=(160,)
         torch.manual_seed(seed)
         net = copy.deepcopy(model).to(device).train()
         wide = width * net.features(tok[:1].to(device)).shape[-1]
-        R = (torch.eye(wide) if proj_dim is None
-             else train.gaussian_projection(wide, proj_dim, g)).to(device)
+        R = probe_map(wide, width, seed)
+        R = (torch.eye(wide) if R is None else R.float()).to(device)
         head = torch.nn.Linear(R.shape[1], n_classes).to(device)
         params = list(net.parameters()) + list(head.parameters())
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
@@ -205,10 +295,10 @@ def finetune(model, train_split, test_split, n_classes, seed, lr=3e-3, at=(160,)
                 net.train()
 
 
-def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, proj_dim=train.PROJ_DIM,
+def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, width=None,
                    device="cpu"):
     """Fine-tuning as a protocol: for every lr of FT_LRS, one run of finetune with probe seed 0
-    on the training split less its last 1/FT_VALID (the validation split, never a test
+    on the training split less its last 1/VALID_SHARE (the validation split, never a test
     sentence), judged at every n of FT_UPDATES until it diverges (validation below half its
     best); the choice is the (lr, n) of best validation accuracy (ties: more updates, then the
     smaller lr). A choice on the grid's edge widens the grid there, FT_EXTEND times at most: half
@@ -216,7 +306,7 @@ def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, proj_dim=
     updates exactly: only new points are judged). Seeds 1..n_seeds-1 then run at the choice. ->
     (per seed the test correctness at the choice; the grid [{lr, updates, val_acc, test_acc}]
     of seed 0; the chosen grid row; whether it is still on the grid's edge)."""
-    n_val = max(1, len(train_split[0]) // FT_VALID)
+    n_val = max(1, len(train_split[0]) // VALID_SHARE)
     fit = tuple(x[:-n_val] for x in train_split)
     judged = tuple(torch.cat([v[-n_val:], t]) for v, t in zip(train_split, test_split))
     lrs, ups, grid, correct, stop = list(FT_LRS), list(FT_UPDATES), [], {}, {}
@@ -226,7 +316,7 @@ def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, proj_dim=
             if at and widened:                  # the replay of judged updates prints nothing
                 print(f"[finetune] widened: lr {lr:g} run to {at[-1]} updates, first new {at[0]}",
                       file=sys.stderr, flush=True)
-            for n, c in finetune(model, fit, judged, n_classes, 0, lr, at, proj_dim,
+            for n, c in finetune(model, fit, judged, n_classes, 0, lr, at, width,
                                  device=device) if at else ():
                 correct[lr, n], val = c[n_val:], c[:n_val].float().mean().item()
                 grid.append({"lr": lr, "updates": n, "val_acc": val,
@@ -247,7 +337,7 @@ def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, proj_dim=
         lrs = [half_decade(-1)] * (lr == lrs[0]) + lrs + [half_decade(1)] * (lr == lrs[-1])
         ups = [ups[0] // 2] * (n == ups[0]) + ups + [2 * ups[-1]] * (n == ups[-1])
     return [correct[lr, n]] + [list(finetune(model, fit, test_split, n_classes, s, lr, (n,),
-                                             proj_dim, device=device))[0][1]
+                                             width, device=device))[0][1]
                                for s in range(1, n_seeds)], grid, best, edge
 
 
@@ -345,7 +435,8 @@ def match_kl(kl, kl_se, candidates):
 # ==================================================================================== plumbing
 METRIC_COLUMNS = ["eval_loss", "entropy", "kl", "kl_se"]
 HESSIAN_COLUMNS = ["trace", "trace_std", "adaptive_trace", "weight_norm"]
-PROBE_SETTINGS = ("n_train", "n_test", "data_seed", "projection", "epochs", "seeds", "language")
+PROBE_SETTINGS = ("n_train", "n_test", "data_seed", "probe", "projection", "epochs", "seeds",
+                  "language")
 HESSIAN_SETTINGS = ("n_sentences", "n_samples", "n_repeats", "seed", "sentence_seed")
 
 
@@ -366,13 +457,14 @@ def checked_task(path, ckpt, lang, task, method):
 
 
 def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST,
-                     n_seeds=N_SEEDS, proj_dim=train.PROJ_DIM, epochs=None, device="cpu",
+                     n_seeds=N_SEEDS, solver="solved", width=None, epochs=None, device="cpu",
                      cache=None):
-    """Probe one checkpoint on `task` with probe seeds 0..n_seeds-1: its probe.jsonl row."""
+    """Probe one checkpoint on `task` with probe seeds 0..n_seeds-1 (solver: "solved",
+    tuned_probe; "adamw", the record's adamw_probe, its Gaussian map to width): its row."""
     t0 = time.time()
-    model, ckpt, lang = train.load_checkpoint(path, device=device)
+    model, ckpt, lang = train.load_checkpoint(path, device=device, finite=True)
     task, n_classes = checked_task(path, ckpt, lang, task, method)
-    epochs = None if method == "finetune" else epochs or LINEAR_EPOCHS
+    epochs = epochs or LINEAR_EPOCHS if solver == "adamw" and method != "finetune" else None
     cache = {} if cache is None else cache     # downstream data for the language's next ckpt
     key = (json.dumps(lang.spec(), sort_keys=True), task, n_train, n_test)
     if key not in cache:
@@ -388,45 +480,74 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
         x, x_test = word_features(tok, lengths, n_ids), word_features(tok_test, lengths_test, n_ids)
     elif method == "chart":
         x, x_test = chart_features(lang, tok, lengths), chart_features(lang, tok_test, lengths_test)
+    if method != "finetune" and not (torch.isfinite(x).all() and torch.isfinite(x_test).all()):
+        raise ValueError(f"{path}: its features are NaN or infinite: not probed")
     tuned = {}
     if method == "finetune":
         by_seed, grid, best, edge = tuned_finetune(model, *cache[key], n_classes, n_seeds,
-                                                   proj_dim, device)
+                                                   width, device)
         tuned = {"ft_grid": grid, "ft_choice": best, "ft_at_edge": edge}
     accs, n_correct = [], torch.zeros(n_test, dtype=torch.float64)   # seeds right, per sentence
-    fit = sample_efficiency if method == "curve" else linear_probe
+    certificates = []
     for s in range(n_seeds):
-        correct = by_seed[s] if tuned else fit(x, labels, x_test, labels_test, n_classes, s,
-                                               proj_dim, epochs)
+        def fit(x, y, x_test, y_test):
+            if solver == "adamw":
+                return adamw_probe(x, y, x_test, y_test, n_classes, s, width, epochs)
+            return tuned_probe(x, y, x_test, y_test, n_classes, s, width)
+        if tuned:
+            correct = by_seed[s]
+        elif method == "curve":
+            correct, certs = sample_efficiency(x, labels, x_test, labels_test, fit)
+            certificates += certs
+        else:
+            correct, cert = fit(x, labels, x_test, labels_test)
+            certificates.append(cert)
         n_correct += correct.double()
         accs.append(correct.float().mean().item())
         print(f"[probe] {path}: {method} seed {s + 1}/{n_seeds} acc {accs[-1]:.4f} "
               f"({time.time() - t0:.1f}s)", file=sys.stderr, flush=True)
+    solved = solver == "solved" and method != "finetune"
     return {"ckpt": path, **probe_settings(ckpt["step"], task, method, n_train, n_test, n_seeds,
-                                           proj_dim, epochs),
+                                           solver, width, epochs),
+            **({"l2": [c["l2"] for c in certificates],       # the solves' certificate
+                "grad_max": max(c["grad_max"] for c in certificates),
+                "iterations": max(c["iterations"] for c in certificates)} if solved else {}),
             "acc": float(np.mean(accs)),
             "acc_std": float(np.std(accs, ddof=1)) if n_seeds > 1 else None,
             "accs": accs, "data_seed": DATA_SEED, "kind": ckpt["kind"],
             "language": lang.spec()["kind"], "n_classes": n_classes,
-            "lr": tuned["ft_choice"]["lr"] if tuned else LINEAR_LR, **tuned,
+            **({"lr": tuned["ft_choice"]["lr"] if tuned else LINEAR_LR} if not solved else {}),
+            **tuned,
             "n_correct": [int(c) if c == int(c) else c for c in n_correct.tolist()],
             "wall_s": round(time.time() - t0, 2)}
 
 
-def probe_settings(step, task, method, n_train, n_test, n_seeds, proj_dim, epochs):
+def probe_settings(step, task, method, n_train, n_test, n_seeds, solver, width, epochs):
     """The settings a row records, by which a checkpoint probed already is skipped."""
     ft = method == "finetune"
+    adamw = solver == "adamw" and not ft
     return {"step": int(step), "task": str(task), "method": method, "n_train": n_train,
-            "n_test": n_test, "seeds": list(range(n_seeds)), "projection": proj_dim,
-            "epochs": None if ft else epochs or LINEAR_EPOCHS,
-            **({"ft_grid_of": [list(FT_LRS), list(FT_UPDATES), FT_VALID, FT_WARMUP, FT_EXTEND]}
+            "n_test": n_test, "seeds": list(range(n_seeds)), "projection": width,
+            "probe": None if ft else solver, "epochs": epochs or LINEAR_EPOCHS if adamw else None,
+            **({"l2_grid": list(L2_GRID), "tol": PROBE_TOL, "valid_share": VALID_SHARE}
+               if solver == "solved" and not ft else {}),
+            **({"ft_grid_of": [list(FT_LRS), list(FT_UPDATES), VALID_SHARE, FT_WARMUP, FT_EXTEND]}
                if ft else {})}
 
 
 # ----------------------------------------------------------------------------- the summary
+def setting_name(row):
+    """A probe row's column: `{method}_{task}`, then `_adamw` for the record's probe (a row
+    without a `probe` field is one), then `_w{width}` where a map set the width."""
+    name = f"{row['method']}_{row['task']}"
+    if row["method"] != "finetune" and row.get("probe", "adamw") == "adamw":
+        name += "_adamw"
+    return name + (f"_w{row['projection']}" if row.get("projection") is not None else "")
+
+
 def summary_table(run_dirs, min_step=0):
     """(columns, rows): the runs' metrics, hessian and probe rows joined by step (runs named
-    GROUP-sSEED), per probe setting S (`{method}_{task}[_noproj]`) S_acc, S_acc_std, and
+    GROUP-sSEED), per probe setting S (setting_name) S_acc, S_acc_std, and
     row["n_correct"][S], row["n_probe_seeds"][S]. Mixed languages or settings are refused."""
     rows, settings, seen = [], [], {}
     for run in run_dirs:
@@ -452,9 +573,7 @@ def summary_table(run_dirs, min_step=0):
                         {k: r.get(k) for k in HESSIAN_SETTINGS}, os.path.join(run, "hessian.jsonl"))
         probes = {}
         for r in data.read_rows(os.path.join(run, "probe.jsonl"), ("step", "method", "task")):
-            setting = f"{r['method']}_{r['task']}"
-            if "projection" in r and r["projection"] is None:
-                setting += "_noproj"                  # a different probe: its own column
+            setting = setting_name(r)
             _check_same(seen, f"probe.py {setting} settings", name,
                         {k: r.get(k) for k in PROBE_SETTINGS}, os.path.join(run, "probe.jsonl"))
             settings += [] if setting in settings else [setting]
@@ -741,18 +860,26 @@ def parse_args(argv=None):
       help=f"training examples (default {N_TRAIN})")
     a("--n-test", type=data.int_flag(1, 10 ** 7), default=N_TEST,
       help=f"held-out test examples (default {N_TEST})")
-    a("--seeds", type=data.int_flag(1, 1000), default=N_SEEDS,
-      help=f"probe seeds 0..N-1 (default {N_SEEDS})")
-    a("--no-projection", action="store_true", help="no 512-d projection (as the authors' code)")
-    a("--epochs", type=data.int_flag(1, 10 ** 6), help=f"probe epochs (default {LINEAR_EPOCHS})")
+    a("--seeds", type=data.int_flag(1, 1000), help=f"probe seeds 0..N-1 (default {N_SEEDS}; "
+      "1 for the solved probe at full width, which draws nothing)")
+    a("--probe", choices=PROBES, default="solved", help="solved (default): standardised, L2 "
+      "chosen on a validation fifth, solved by L-BFGS; adamw: the record's probe")
+    a("--width", type=data.int_flag(1, 10 ** 6), help="map the features to this width first "
+      "(solved, fine-tuning: orthonormal; adamw: Gaussian, 512 in the record); default: none")
+    a("--epochs", type=data.int_flag(1, 10 ** 6), help=f"--probe adamw's epochs (default "
+      f"{LINEAR_EPOCHS})")
     a("--device", type=train.device_flag, default="cpu", help="cpu (default) or cuda")
     data.threads_flag(p)
     args = p.parse_args(argv)
+    if args.seeds is None:
+        args.seeds = 1 if args.probe == "solved" and args.width is None and args.method in (
+            "linear", "curve", "onehot", "chart") else N_SEEDS
     bad = [m for m in [args.plot and data.unwritable(args.plot, "--plot")] if m]
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         bad.append("--plot needs matplotlib, which is not installed: pip install matplotlib")
-    if args.method == "finetune" and args.epochs:
-        bad.append("--epochs is the linear probe's; fine-tuning takes its grid, FT_UPDATES")
+    if args.epochs and (args.method == "finetune" or args.probe != "adamw"):
+        bad.append("--epochs is --probe adamw's; the solved probe stops at its tolerance, "
+                   "fine-tuning takes its grid")
     if not args.summary and (args.compare or args.plot):
         bad.append("--compare and --plot go with --summary RUN_DIR ...")
     bad += [] if args.summary else train.missing_checkpoints(args.paths, "probe.jsonl")
@@ -777,19 +904,18 @@ def measure(args, written):
         if args.plot:
             plot_summary(table, args.plot, pairs)
         return
-    proj_dim = None if args.no_projection else train.PROJ_DIM
 
     def settings_of(path):
         ckpt = train.read_checkpoint(path)
         task, _ = checked_task(path, ckpt, data.language_from_spec(ckpt["language"]),
                                args.task, args.method)
         return probe_settings(ckpt["step"], task, args.method, args.n_train, args.n_test,
-                              args.seeds, proj_dim, args.epochs)
+                              args.seeds, args.probe, args.width, args.epochs)
     cache = {}
     train.measure_checkpoints(
         args.paths, "probe.jsonl", settings_of, lambda path: probe_checkpoint(
-            path, args.task, args.method, args.n_train, args.n_test, args.seeds, proj_dim,
-            args.epochs, args.device, cache),
+            path, args.task, args.method, args.n_train, args.n_test, args.seeds, args.probe,
+            args.width, args.epochs, args.device, cache),
         written, shown=lambda row: {k: v for k, v in row.items() if k != "n_correct"})
 
 

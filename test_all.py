@@ -3512,59 +3512,6 @@ def _probe_separable(n, d, n_classes, seed, margin=0.5):
     return x, y
 
 
-@exercise("linear_probe")
-def test_probe_linear_probe_learns_separable_task():
-    x, y = _probe_separable(2500, 16, 3, seed=0)
-    acc = probe.linear_probe(x[500:], y[500:], x[:500], y[:500], 3, seed=0).float().mean()
-    assert acc >= 0.98, acc
-    # Without projection the head sees 16 numbers; at the paper's fixed lr 1e-3 a logit moves by
-    # about lr * sum|x_i| per step, so 16 features converge slowly (~0.90 after 100 epochs here).
-    # Real features are T*d wide: 32 copies of each feature (512 columns, same information) stand
-    # in for that width.
-    xw = x.repeat(1, 32)
-    acc = probe.linear_probe(xw[500:], y[500:], xw[:500], y[:500], 3, seed=0,
-                             proj_dim=None).float().mean()
-    assert acc >= 0.98, acc
-
-
-@exercise("linear_probe")
-@pytest.mark.parametrize("proj_dim", [train.PROJ_DIM, None])
-def test_probe_linear_probe_is_exact_on_two_far_apart_clusters_of_any_scale(proj_dim):
-    """Two classes at ±(1, ..., 1) in 8 dimensions with noise 0.05, then shifted by 1000 and
-    scaled by 1000: every test point right (the probe standardises the features first), and
-    the same seed gives the same predictions."""
-    g = torch.Generator().manual_seed(4)
-    y = torch.randint(0, 2, (1200,), generator=g)
-    x = (2.0 * y - 1)[:, None] + 0.05 * torch.randn(1200, 8, generator=g)
-    x = 1000 + 1000 * x
-    correct = probe.linear_probe(x[200:], y[200:], x[:200], y[:200], 2, seed=1, epochs=20,
-                                 proj_dim=proj_dim)
-    assert correct.dtype == torch.bool, 'expected correct.dtype == torch.bool'
-    assert correct.shape == (200,), 'expected correct.shape == (200,)'
-    assert correct.all(), 'expected correct.all()'
-
-
-@exercise("linear_probe")
-def test_probe_linear_probe_random_labels_is_chance():
-    g = torch.Generator().manual_seed(1)
-    n_train, n_test, C = 400, 2000, 4
-    x = torch.randn(n_train + n_test, 64, generator=g)
-    y = torch.randint(0, C, (n_train + n_test,), generator=g)  # independent of x: Bayes acc. 1/C
-    acc = probe.linear_probe(x[n_test:], y[n_test:], x[:n_test], y[:n_test], C, seed=0,
-                             epochs=30).float().mean().item()
-    sigma = math.sqrt((1 / C) * (1 - 1 / C) / n_test)        # binomial std of a chance classifier
-    assert abs(acc - 1 / C) < 4 * sigma, acc
-
-
-@exercise("linear_probe")
-def test_probe_linear_probe_is_fixed_by_its_seed():
-    x, y = _probe_separable(600, 20, 3, seed=2)
-    a, b, c = (probe.linear_probe(x[200:], y[200:], x[:200], y[:200], 3, seed=s, epochs=2,
-                                  proj_dim=8, batch_size=16) for s in (5, 5, 6))
-    assert torch.equal(a, b), _differs(a, b)
-    assert not torch.equal(a, c), 'expected not torch.equal(a, c)'
-
-
 def _probe_reference(x_train, y_train, x_test, n_classes, seed, proj_dim, epochs,
                      lr=probe.LINEAR_LR, batch_size=probe.LINEAR_BATCH, own_test_statistics=False,
                      double_softmax=False, adam=False, no_bias=False):
@@ -3612,50 +3559,164 @@ def _probe_mistake_data(kind):
     return x[800:], y[800:], x[:800], y[:800], 60
 
 
-@exercise("linear_probe")
-@pytest.mark.parametrize("proj_dim", [train.PROJ_DIM, None])
-@pytest.mark.parametrize("kind, mistake", [("shifted", "own_test_statistics"),
-                                           ("noisy", "double_softmax")])
-def test_probe_linear_probe_follows_its_specification(proj_dim, kind, mistake):
-    """On data where a plausible mistake changes the answer, the probe predicts what its
-    docstring says, test point by test point: the training split's statistics for both
-    splits; one softmax, in the cross-entropy."""
-    x_train, y_train, x_test, y_test, epochs = _probe_mistake_data(kind)
-    want = _probe_reference(x_train, y_train, x_test, 4, 3, proj_dim, epochs)
-    wrong = _probe_reference(x_train, y_train, x_test, 4, 3, proj_dim, epochs, **{mistake: True})
-    assert (wrong != want).float().mean() > 0.04, f"the data cannot tell {mistake}"
-    correct = probe.linear_probe(x_train, y_train, x_test, y_test, 4, seed=3, proj_dim=proj_dim,
-                                 epochs=epochs)
-    assert correct.dtype == torch.bool and correct.shape == (800,), \
-        f"returns {correct.dtype} {tuple(correct.shape)}, not bool (800,)"
-    agree = correct.eq(want.eq(y_test)).float().mean().item()
-    assert agree > 0.99, (f"right/wrong agrees with the specification on {agree:.1%} of the "
-                          f"test points only (the training split's statistics for both splits? "
-                          f"one softmax? the draws in the docstring's order?)")
+def _probe_newton(x_train, y_train, x_test, n_classes, l2, iters=60):
+    """The solved probe's optimum found independently: numpy float64, features standardised by
+    hand, Newton's method on mean CE + l2/2 (||W||² + ||b||²) over [W | b] -> test predictions."""
+    x, xt = x_train.double().numpy(), x_test.double().numpy()
+    mean, std = x.mean(0), x.std(0, ddof=1)
+    x, xt = (x - mean) / std, (xt - mean) / std
+    n, D = x.shape
+    phi = np.hstack([x, np.ones((n, 1))])                        # (n, D + 1): a bias column
+    Y = np.eye(n_classes)[y_train.numpy()]
+    theta = np.zeros((n_classes, D + 1))
+    reg = l2 * np.eye(D + 1)                                    # the bias penalised too
+    for _ in range(iters):
+        z = phi @ theta.T
+        p = np.exp(z - z.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        grad = ((p - Y).T @ phi) / n + theta @ reg              # (C, D + 1)
+        H = sum(np.kron(np.diag(p[i]) - np.outer(p[i], p[i]), np.outer(phi[i], phi[i]))
+                for i in range(n)) / n + np.kron(np.eye(n_classes), reg)
+        theta -= np.linalg.lstsq(H, grad.ravel(), rcond=None)[0].reshape(theta.shape)
+    assert np.abs(grad).max() < 1e-10                           # Newton converged
+    return (np.hstack([xt, np.ones((len(xt), 1))]) @ theta.T).argmax(1)
+
+
+def _probe_predictions(x_train, y_train, x_test, n_classes, l2, **kw):
+    """linear_probe's test predictions, read from its correctness: class k where the test
+    labels are all k."""
+    pred = torch.full((len(x_test),), -1)
+    for k in range(n_classes):
+        correct, _ = probe.linear_probe(x_train, y_train, x_test,
+                                        torch.full((len(x_test),), k), n_classes, l2, **kw)
+        pred[correct] = k
+    return pred
+
+
+def _probe_overlapping(n, d, n_classes, seed, noise=2.0):
+    """Overlapping Gaussian classes: predictions that depend on the exact optimum."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, n_classes, (n,), generator=g)
+    return torch.randn(n_classes, d, generator=g)[y] + noise * torch.randn(n, d, generator=g), y
 
 
 @exercise("linear_probe")
-@pytest.mark.parametrize("proj_dim", [16, None])
-def test_probe_linear_probe_is_adamw_on_a_head_with_a_bias(proj_dim):
-    """Four overlapping classes of frequencies 50, 30, 15 and 5 %: the bias decides many test
-    points; lr 1 over 130 steps makes AdamW's decoupled weight decay (lr · WEIGHT_DECAY, 1 % a
-    step) decide others. The probe agrees with its docstring's computation on nearly every
-    point; a head without a bias, or Adam (weight decay in the gradient), far from it."""
-    g = torch.Generator().manual_seed(0)
-    y = torch.multinomial(torch.tensor([0.5, 0.3, 0.15, 0.05]), 1200, replacement=True,
-                          generator=g)
-    x = torch.randn(4, 8, generator=g)[y] + 1.5 * torch.randn(1200, 8, generator=g)
-    x_train, y_train, x_test, y_test = x[800:], y[800:], x[:800], y[:800]
-    kw = dict(epochs=10, lr=1.0, batch_size=32)
-    right = _probe_reference(x_train, y_train, x_test, 4, 3, proj_dim, **kw).eq(y_test)
-    for mistake in ("no_bias", "adam"):
-        wrong = _probe_reference(x_train, y_train, x_test, 4, 3, proj_dim, **kw, **{mistake: True})
-        assert wrong.eq(y_test).eq(right).float().mean() < 0.96, f"the data cannot tell {mistake}"
-    correct = probe.linear_probe(x_train, y_train, x_test, y_test, 4, seed=3, proj_dim=proj_dim,
-                                 **kw)
-    agree = correct.eq(right).float().mean().item()
-    assert agree > 0.99, (f"right/wrong agrees with the specification on {agree:.1%} of the "
-                          f"test points only (a bias? AdamW, its weight decay decoupled?)")
+def test_probe_linear_probe_is_the_optimum_an_independent_solver_finds():
+    """Three overlapping classes in 4 dimensions, L2 0.05: every one of 2,000 test predictions
+    is Newton's (numpy); the data can tell a probe stopped early or one at another L2
+    strength."""
+    x, y = _probe_overlapping(2200, 4, 3, seed=0)
+    x_train, y_train, x_test = x[2000:], y[2000:], x[:2000]
+    want = torch.as_tensor(_probe_newton(x_train, y_train, x_test, 3, 0.05))
+    for other in (_probe_newton(x_train, y_train, x_test, 3, 0.5),
+                  _probe_predictions(x_train, y_train, x_test, 3, 0.05, max_iter=1)):
+        assert (torch.as_tensor(other) != want).sum() >= 5, "the data cannot tell a mistake"
+    got = _probe_predictions(x_train, y_train, x_test, 3, 0.05)
+    assert torch.equal(got, want), f"{(got != want).sum().item()} of 2000 predictions differ"
+
+
+@exercise("linear_probe")
+def test_probe_linear_probe_certifies_its_convergence():
+    x, y = _probe_overlapping(600, 12, 4, seed=1)
+    correct, cert = probe.linear_probe(x[200:], y[200:], x[:200], y[:200], 4, 1e-3)
+    assert correct.dtype == torch.bool and correct.shape == (200,)
+    assert 0 < cert["grad_max"] <= probe.PROBE_TOL and 1 <= cert["iterations"] <= \
+        probe.PROBE_MAX_ITER, cert
+    _, early = probe.linear_probe(x[200:], y[200:], x[:200], y[:200], 4, 1e-3, max_iter=2)
+    assert early["grad_max"] > 100 * probe.PROBE_TOL and early["iterations"] <= 2, early
+
+
+@exercise("linear_probe")
+def test_probe_linear_probe_is_blind_to_per_feature_scale_and_shift():
+    """Features rescaled each by its own positive factor over e^±4 and shifted: every test
+    prediction unchanged (the probe standardises before anything else)."""
+    x, y = _probe_overlapping(900, 16, 5, seed=2)
+    g = torch.Generator().manual_seed(3)
+    scale = torch.exp(8 * torch.rand(16, generator=g, dtype=torch.float64) - 4).float()
+    shift = 100 * torch.randn(16, generator=g)
+    moved = x * scale + shift
+    a = _probe_predictions(x[400:], y[400:], x[:400], 5, 1e-2)
+    b = _probe_predictions(moved[400:], y[400:], moved[:400], 5, 1e-2)
+    assert torch.equal(a, b), f"{(a != b).sum().item()} of 400 predictions moved"
+
+
+@exercise("linear_probe")
+def test_probe_linear_probe_is_blind_to_the_order_of_the_examples():
+    x, y = _probe_overlapping(900, 16, 5, seed=4)
+    perm = torch.randperm(500, generator=torch.Generator().manual_seed(5))
+    a, _ = probe.linear_probe(x[400:], y[400:], x[:400], y[:400], 5, 1e-3)
+    b, _ = probe.linear_probe(x[400:][perm], y[400:][perm], x[:400], y[:400], 5, 1e-3)
+    assert torch.equal(a, b), f"{(a != b).sum().item()} of 400 outcomes moved"
+
+
+@exercise("linear_probe")
+def test_probe_linear_probe_maps_after_standardising_and_a_rotation_changes_nothing():
+    """R given: the standardised features times R. A rotation keeps the L2 geometry: the same
+    predictions; a map that halves one coordinate does not (the data can tell)."""
+    x, y = _probe_overlapping(900, 8, 3, seed=6)
+    Q, _ = torch.linalg.qr(torch.randn(8, 8, generator=torch.Generator().manual_seed(7),
+                                       dtype=torch.float64))
+    plain = _probe_predictions(x[400:], y[400:], x[:400], 3, 0.3)
+    rotated = _probe_predictions(x[400:], y[400:], x[:400], 3, 0.3, R=Q)
+    assert torch.equal(plain, rotated), f"{(plain != rotated).sum().item()} predictions moved"
+    squash = torch.diag(torch.tensor([0.05] + [1.0] * 7, dtype=torch.float64))
+    assert not torch.equal(plain, _probe_predictions(x[400:], y[400:], x[:400], 3, 0.3,
+                                                     R=squash))
+    x_big = 1000 + 1000 * x            # standardised first: R sees unit-scale features
+    assert torch.equal(rotated, _probe_predictions(x_big[400:], y[400:], x_big[:400], 3, 0.3,
+                                                   R=Q))
+
+
+@exercise("linear_probe")
+def test_probe_linear_probe_learns_separable_task_and_random_labels_are_chance():
+    x, y = _probe_separable(2500, 16, 3, seed=0)
+    correct, _ = probe.linear_probe(x[500:], y[500:], x[:500], y[:500], 3, 1e-3)
+    assert correct.float().mean() >= 0.98
+    g = torch.Generator().manual_seed(1)
+    n_train, n_test, C = 400, 2000, 4
+    x = torch.randn(n_train + n_test, 64, generator=g)
+    y = torch.randint(0, C, (n_train + n_test,), generator=g)  # independent of x: Bayes acc. 1/C
+    correct, _ = probe.linear_probe(x[n_test:], y[n_test:], x[:n_test], y[:n_test], C, 1.0)
+    sigma = math.sqrt((1 / C) * (1 - 1 / C) / n_test)        # binomial std of a chance classifier
+    assert abs(correct.float().mean().item() - 1 / C) < 4 * sigma
+
+
+def test_probe_tuned_probe_chooses_its_l2_on_the_validation_fifth(monkeypatch):
+    """The L2 of best accuracy on the training split's last fifth, fitted on the rest (a tie:
+    the stronger); then the whole training split at that L2. The test labels choose nothing."""
+    monkeypatch.setattr(probe, "L2_GRID", (1e-3, 1e-1, 10.0))
+    calls = []
+
+    def stand_in(x_train, y_train, x_test, y_test, n_classes, l2, R=None):
+        calls.append((len(x_train), len(x_test), l2, R))
+        right = {1e-3: 3, 1e-1: 5, 10.0: 5}[l2] if len(x_test) == 10 else 2
+        return torch.arange(len(x_test)) < right, {"grad_max": l2 * 1e-7, "iterations": 7}
+    monkeypatch.setattr(probe, "linear_probe", stand_in)
+    x, y = torch.randn(50, 6), torch.zeros(50, dtype=torch.long)
+    correct, info = probe.tuned_probe(x, y, torch.randn(4, 6), y[:4], 2, seed=0)
+    assert [c[:3] for c in calls] == [(40, 10, 1e-3), (40, 10, 1e-1), (40, 10, 10.0),
+                                      (50, 4, 10.0)] and all(c[3] is None for c in calls)
+    assert info == {"l2": 10.0, "grad_max": 1e-6, "iterations": 7}
+    assert correct.tolist() == [True, True, False, False]
+    calls.clear()
+    probe.tuned_probe(x, y, torch.randn(4, 6), y[:4], 2, seed=3, width=4)
+    Q = calls[0][3]
+    assert Q.shape == (6, 4) and torch.allclose(Q.T @ Q, torch.eye(4, dtype=Q.dtype))
+    assert all(torch.equal(c[3], Q) for c in calls)         # one map for every solve
+    assert probe.probe_map(6, 6, 0) is None and probe.probe_map(6, None, 0) is None
+
+
+def test_probe_adamw_probe_is_the_records_protocol():
+    """The record's probe, kept as a bridge: its docstring's computation, point by point."""
+    x_train, y_train, x_test, y_test, epochs = _probe_mistake_data("noisy")
+    for proj_dim in (train.PROJ_DIM, None):
+        want = _probe_reference(x_train, y_train, x_test, 4, 3, proj_dim, epochs)
+        wrong = _probe_reference(x_train, y_train, x_test, 4, 3, proj_dim, epochs,
+                                 double_softmax=True)
+        assert (wrong != want).float().mean() > 0.04, "the data cannot tell double_softmax"
+        correct, cert = probe.adamw_probe(x_train, y_train, x_test, y_test, 4, seed=3,
+                                          proj_dim=proj_dim, epochs=epochs)
+        assert cert == {} and correct.eq(want.eq(y_test)).float().mean().item() > 0.99
 
 
 def test_probe_projection_is_seeded_and_n_0_1_over_512():
@@ -3692,8 +3753,8 @@ def test_probe_lookup_table_reaches_bayes_accuracy():
     tok, lens, states = lang.sample(3000, seed=0)
     y = states[:, k - 1]                                            # the state drawn
     x = probe.concat_features(train.LookupTable(lang), tok, lens)   # true conditionals (n, T*V)
-    acc = probe.linear_probe(x[n_test:], y[n_test:], x[:n_test], y[:n_test], 2, seed=0,
-                             epochs=50).float().mean().item()
+    acc = probe.tuned_probe(x[n_test:], y[n_test:], x[:n_test], y[:n_test], 2,
+                            seed=0)[0].float().mean().item()
     post = _probe_brute_posterior(lang, tok[:n_test], k)
     bayes = (post.argmax(1) == y[:n_test].numpy()).mean()   # the Bayes classifier on this test set
     majority = np.bincount(y[:n_test].numpy()).max() / n_test
@@ -3886,8 +3947,8 @@ def _probe_run_dir(tmp_path, name, steps, traces, accs, tasks=("C",), n_correct=
             for i, (s, a) in enumerate(zip(steps, accs)):
                 counts = None if n_correct is None else n_correct[i]
                 f.write(json.dumps({"ckpt": f"ckpt_{s:07d}.pt", "step": s, "task": task,
-                                    "method": "linear", "acc": a, "acc_std": 0.01,
-                                    "n_train": n_train, "seeds": [0, 1],
+                                    "method": "linear", "probe": "solved", "acc": a,
+                                    "acc_std": 0.01, "n_train": n_train, "seeds": [0, 1],
                                     "n_correct": counts}) + "\n")
     return str(run)
 
@@ -4129,8 +4190,8 @@ def test_probe_summary_plot_of_matched_pairs(tmp_path):
 def test_probe_compare_refuses_what_is_not_in_the_table(tmp_path, a, b, message):
     runs = _probe_seeded_runs(tmp_path)[0]
     with open(os.path.join(runs[0], "probe.jsonl"), "a") as f:     # e1-s0@1000 without counts
-        f.write(json.dumps({"step": 1000, "task": "C", "method": "linear", "acc": 0.6,
-                            "n_train": 10, "seeds": [0, 1], "n_correct": None}) + "\n")
+        f.write(json.dumps({"step": 1000, "task": "C", "method": "linear", "probe": "solved",
+                            "acc": 0.6, "n_train": 10, "seeds": [0, 1], "n_correct": None}) + "\n")
     _, table = probe.summary_table(runs)
     with pytest.raises(ValueError, match=message):
         probe.compare(table, "linear_C", a, b)
@@ -4204,13 +4265,11 @@ def test_probe_word_features_are_the_sentences_one_hot_words():
 def test_probe_onehot_method_is_the_linear_probe_on_the_words(tmp_path):
     lang = _probe_tiny_hmm()
     ckpt = _probe_lookup_ckpt(tmp_path, lang)
-    row = probe.probe_checkpoint(ckpt, "3", method="onehot", n_train=200, n_test=100, n_seeds=2,
-                                 epochs=2)
+    row = probe.probe_checkpoint(ckpt, "3", method="onehot", n_train=200, n_test=100, n_seeds=1)
     (tok, _, y), (tok_test, _, y_test) = probe.downstream_data(lang, "3", 200, 100)
     eye = torch.eye(lang.vocab_size + data.N_SPECIAL)      # HMM sentences have no padding
-    expected = sum(probe.linear_probe(eye[tok].flatten(1), y, eye[tok_test].flatten(1), y_test,
-                                      lang.n_classes("3"), seed=s, epochs=2).long()
-                   for s in range(2))
+    expected = probe.tuned_probe(eye[tok].flatten(1), y, eye[tok_test].flatten(1), y_test,
+                                 lang.n_classes("3"), seed=0)[0].long()
     assert row["method"] == "onehot" and row["n_correct"] == expected.tolist()
 
 
@@ -4218,8 +4277,7 @@ def test_probe_chart_method_is_the_linear_probe_on_the_enumerated_chart(tmp_path
     """The ceiling: the chart of every span, computed here from the enumerated parses."""
     lang = _data_tiny_pcfg()
     ckpt = _probe_lookup_ckpt(tmp_path, lang)
-    row = probe.probe_checkpoint(ckpt, "A", method="chart", n_train=40, n_test=20, n_seeds=2,
-                                 epochs=2)
+    row = probe.probe_checkpoint(ckpt, "A", method="chart", n_train=40, n_test=20, n_seeds=1)
     (tok, l, y), (tok_test, l_test, y_test) = probe.downstream_data(lang, "A", 40, 20)
     T = tok.shape[1]
 
@@ -4230,8 +4288,7 @@ def test_probe_chart_method_is_the_linear_probe_on_the_enumerated_chart(tmp_path
             for i in range(T) for j in range(i + 1, T + 1)]) for x, n in zip(tokens, lengths)])
     x, x_test = chart(tok, l).float(), chart(tok_test, l_test).float()
     torch.testing.assert_close(probe.chart_features(lang, tok, l), x, rtol=0, atol=1e-6)
-    expected = sum(probe.linear_probe(x, y, x_test, y_test, lang.n_classes("A"), seed=s,
-                                      epochs=2).long() for s in range(2))
+    expected = probe.tuned_probe(x, y, x_test, y_test, lang.n_classes("A"), seed=0)[0].long()
     assert row["method"] == "chart" and row["n_correct"] == expected.tolist()
     hmm = _probe_lookup_ckpt(tmp_path, _probe_tiny_hmm(), "ckpt_0000001.pt")
     with pytest.raises(ValueError, match="--method chart probes a PCFG's parse chart"):
@@ -4282,8 +4339,8 @@ def test_probe_finetune_learns_first_token_task():
                                at=(16,), warmup=2)
     assert done == 16 and acc.shape == (128,) and acc.float().mean() >= 0.95, acc
     test_narrow = (tok[:128][short, :T - 1], lens[:128][short], y[:128][short])
-    assert next(probe.finetune(net, train_split, test_narrow, 2, seed=0, at=(16,),
-                               proj_dim=None, warmup=2))[1].float().mean() >= 0.95
+    assert next(probe.finetune(net, train_split, test_narrow, 2, seed=0, at=(16,), width=16,
+                               warmup=2))[1].float().mean() >= 0.95
     # judged against random labels after 1-2 small updates, which sentences come out right
     # depends on the exact weights: a run judged at 1 and 2 is the run to 2, judged at 1
     test = (tok[:128], lens[:128], torch.randint(0, 2, (128,), generator=g))
@@ -4296,18 +4353,20 @@ def test_probe_finetune_learns_first_token_task():
 
 
 def test_probe_sample_efficiency_is_the_area_under_the_curve_on_log_n():
-    """curve: linear_probe on the first 2, 4, ..., 64 training sentences (6 points), weighted
-    1/2, 1, 1, 1, 1, 1/2 over 5 unit steps of log2 n, per test sentence."""
+    """curve: the probe on the first 10, 20, ..., 320 training sentences (6 points), weighted
+    1/2, 1, 1, 1, 1, 1/2 over 5 unit steps of log2 n, per test sentence; the smallest needs a
+    validation fifth of two."""
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(64, 5, generator=g), torch.randint(0, 3, (64,), generator=g)
+    x, y = torch.randn(320, 5, generator=g), torch.randint(0, 3, (320,), generator=g)
     xt, yt = torch.randn(9, 5, generator=g), torch.randint(0, 3, (9,), generator=g)
-    got = probe.sample_efficiency(x, y, xt, yt, 3, seed=2, proj_dim=4, epochs=3)
-    each = [probe.linear_probe(x[:n], y[:n], xt, yt, 3, 2, 4, 3).double()
-            for n in (2, 4, 8, 16, 32, 64)]
-    want = (each[0] / 2 + sum(each[1:5]) + each[5] / 2) / 5
-    assert got.dtype == torch.float64 and torch.allclose(got, want)
-    with pytest.raises(ValueError, match="needs n_train >= 64"):
-        probe.sample_efficiency(x[:63], y[:63], xt, yt, 3, seed=2, proj_dim=4, epochs=3)
+    fit = lambda x, y, xt, yt: probe.tuned_probe(x, y, xt, yt, 3, seed=2)
+    got, certificates = probe.sample_efficiency(x, y, xt, yt, fit)
+    each = [fit(x[:n], y[:n], xt, yt) for n in (10, 20, 40, 80, 160, 320)]
+    want = (each[0][0] / 2 + sum(c for c, _ in each[1:5]) + each[5][0] / 2) / 5
+    assert got.dtype == torch.float64 and torch.allclose(got, want.double())
+    assert certificates == [c for _, c in each]
+    with pytest.raises(ValueError, match="needs n_train >= 320"):
+        probe.sample_efficiency(x[:319], y[:319], xt, yt, fit)
 
 
 def test_probe_tuned_finetune_chooses_on_the_validation_split(monkeypatch):
@@ -4325,7 +4384,7 @@ def test_probe_tuned_finetune_chooses_on_the_validation_split(monkeypatch):
     split = lambda a, b: (tok[a:b], torch.full((b - a,), 3), torch.zeros(b - a, dtype=torch.long))
     runs = []
 
-    def stand_in(model, fit, judged, n_classes, seed, lr, at, proj_dim, device="cpu"):
+    def stand_in(model, fit, judged, n_classes, seed, lr, at, width, device="cpu"):
         runs.append((seed, lr, at, fit[0][:, 0].tolist(), judged[0][:, 0].tolist()))
         for n in at:
             right = {(1e-2, 40): 2, (1e-2, 160): 2, (3e-2, 40): 4, (1e-3, 160): 4, (3e-3, 640): 4,
@@ -4373,7 +4432,7 @@ def test_probe_tuned_finetune_widens_the_grid_past_an_edge_choice(monkeypatch, r
     split = lambda a, b: (tok[a:b], torch.full((b - a,), 3), torch.zeros(b - a, dtype=torch.long))
     runs = []
 
-    def stand_in(model, fit, judged, n_classes, seed, lr, at, proj_dim, device="cpu"):
+    def stand_in(model, fit, judged, n_classes, seed, lr, at, width, device="cpu"):
         runs.append((seed, lr, at))
         for n in at:                                      # 4 validation, then 6 test sentences
             yield n, torch.cat([torch.arange(4) < right.get((lr, n), 0), torch.ones(6, dtype=bool)])
@@ -4401,7 +4460,7 @@ def test_probe_finetune_default_recipe_beats_majority_class(tmp_path, monkeypatc
     ckpt = train.list_checkpoints(str(tmp_path / "ft"))[-1]
     row = probe.probe_checkpoint(ckpt, "3", method="finetune", n_train=1000, n_test=300, n_seeds=1)
     assert row["ft_choice"]["lr"] == row["lr"] and len(row["ft_grid"]) == 4
-    assert row["acc"] == row["ft_choice"]["test_acc"] and row["projection"] == train.PROJ_DIM
+    assert row["acc"] == row["ft_choice"]["test_acc"] and row["projection"] is None
     _, (_, _, y_test) = probe.downstream_data(train.load_checkpoint(ckpt)[2], "3", 1000, 300)
     majority = y_test.bincount().max().item() / len(y_test)
     assert row["acc"] >= majority + 0.3, (row["acc"], majority)
@@ -4409,7 +4468,7 @@ def test_probe_finetune_default_recipe_beats_majority_class(tmp_path, monkeypatc
 
 # ----------------------------------------------------------------------------- command line
 _PROBE_CLI_SMALL = ["--task", "3", "--n-train", "20", "--n-test", "10", "--seeds", "1",
-                    "--epochs", "1", "--device", "cpu"]
+                    "--device", "cpu"]
 
 
 def test_probe_threads_flag(tmp_path):
@@ -4951,7 +5010,7 @@ def test_dyck_json_of_a_short_real_run(monkeypatch, capsys):
 _REPRO_TRAIN = ["--lang", "hmm-small", "--batch", "32", "--eval-n", "40", "--log-every", "2",
                 "--eval-every", "2", "--threads", "1"]
 _REPRO_HESSIAN = ["--sentences", "24", "--samples", "2", "--repeats", "2", "--threads", "1"]
-_REPRO_PROBE = ["--task", "6", "--n-train", "64", "--n-test", "32", "--seeds", "2", "--epochs", "2",
+_REPRO_PROBE = ["--task", "6", "--n-train", "64", "--n-test", "32", "--seeds", "2",
                 "--device", "cpu"]
 _REPRO_COLUMNS = ["run", "step", "eval_loss", "entropy", "kl", "trace", "trace_std",
                   "adaptive_trace", "weight_norm", "linear_6_acc", "linear_6_acc_std"]
@@ -5286,8 +5345,8 @@ def test_faults_ctrl_c_and_sigterm_in_hessian_and_probe(tmp_path, script, sig):
     train.train(train.parse_args(_train_args(tmp_path, "--steps", 3, "--ckpt-every", 1,
                                              name="a")))
     ckpts = sorted(str(p) for p in (tmp_path / "a").glob("ckpt_*.pt"))
-    extra = (["--task", "3", "--n-train", "100", "--n-test", "50", "--seeds", "1", "--epochs",
-              "500"] if script == "probe.py" else ["--sentences", "100", "--repeats", "4",
+    extra = (["--task", "3", "--n-train", "100", "--n-test", "50", "--seeds", "1", "--probe",
+              "adamw", "--epochs", "500"] if script == "probe.py" else ["--sentences", "100", "--repeats", "4",
                                                     "--hvp-sentences", "50", "--fisher-gap", "10"])
     assert len(ckpts) == 3          # work left after the first row, however slow the signal
     p = subprocess.run([sys.executable, "-c", _CTRL_C, script, *ckpts, *extra],
@@ -5315,6 +5374,69 @@ def test_bad_input_an_append_after_a_cut_last_line_starts_a_fresh_line(tmp_path,
     assert open(path).read() == '{"step": 1, "trace": 2.0}\n{"step": 3, "trace": 1.0}\n'
     assert "removed its half-written last line" in capsys.readouterr().err
     assert [r["step"] for r in data.read_rows(path)] == [1, 3]
+
+
+def test_bad_input_an_append_after_a_whole_last_row_without_its_newline_keeps_it(tmp_path):
+    """A last row that parses but lacks its newline (an edit by hand) is a row, not a cut one:
+    the append keeps it, with the one-row file as the sharpest case."""
+    path = str(tmp_path / "probe.jsonl")
+    with open(path, "w") as f:
+        f.write('{"step": 1, "acc": 0.5}')
+    assert [r["step"] for r in data.read_rows(path)] == [1]
+    data.append_line(path, json.dumps({"step": 2, "acc": 0.6}))
+    assert open(path).read() == '{"step": 1, "acc": 0.5}\n{"step": 2, "acc": 0.6}\n'
+
+
+def _nan_checkpoint(tmp_path):
+    """A tiny run's checkpoint with one weight set to NaN."""
+    train.train(train.parse_args(_train_args(tmp_path, "--steps", 1, "--ckpt-every", 1,
+                                             name="nan")))
+    path = train.list_checkpoints(str(tmp_path / "nan"))[-1]
+    ckpt = torch.load(path, weights_only=True)
+    name = next(k for k, v in ckpt["model"].items() if v.is_floating_point())
+    ckpt["model"][name].view(-1)[0] = float("nan")
+    torch.save(ckpt, path)
+    return path
+
+
+@pytest.mark.parametrize("script", ["probe.py", "hessian.py"])
+def test_bad_input_a_checkpoint_with_nan_weights_is_refused_in_one_line(tmp_path, script):
+    path = _nan_checkpoint(tmp_path)
+    main, argv = ((probe.main, ["--task", "3", "--n-train", "20", "--n-test", "10"])
+                  if script == "probe.py" else (hessian.main, ["--sentences", "8"]))
+    with pytest.raises(SystemExit) as e:
+        main([path, *argv])
+    said = str(e.value.code)
+    assert "\n" not in said and path in said and "NaN or inf" in said, said
+    assert not os.path.exists(os.path.join(os.path.dirname(path), script.replace(".py", ".jsonl")))
+
+
+def test_bad_input_a_checkpoint_claimed_by_a_live_process_is_skipped(tmp_path, capsys):
+    """Two processes never measure one checkpoint: a claim held by a live process skips it (one
+    line); a claim left by a process that has ended is taken over."""
+    lang = _probe_tiny_hmm()
+    path = _probe_lookup_ckpt(tmp_path, lang)
+    claim = str(tmp_path / "probe.jsonl.ckpt_0000000.pt.lock")
+    with open(claim, "w") as f:
+        f.write(str(os.getpid()))                                 # alive: this process
+    probe.main([path, *_PROBE_CLI_SMALL])
+    assert "being measured by another process" in capsys.readouterr().err
+    assert not (tmp_path / "probe.jsonl").exists() and os.path.exists(claim)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    with open(claim, "w") as f:
+        f.write(gone)                                             # ended: stale
+    probe.main([path, *_PROBE_CLI_SMALL])
+    assert len(data.read_rows(str(tmp_path / "probe.jsonl"))) == 1 and not os.path.exists(claim)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write a read-only file")
+def test_bad_input_a_read_only_rows_file_is_refused_before_measuring(tmp_path):
+    path = _probe_lookup_ckpt(tmp_path, _probe_tiny_hmm())
+    (tmp_path / "probe.jsonl").write_text("")
+    os.chmod(tmp_path / "probe.jsonl", 0o444)
+    with pytest.raises(SystemExit, match="probe.jsonl is not writable"):
+        probe.main([path, *_PROBE_CLI_SMALL])
 
 
 @pytest.mark.parametrize("content, said", [
@@ -5448,6 +5570,9 @@ def test_bad_input_bench_e1_dose_refuses_in_one_line(tmp_path, env, argv, said):
     ({"AGAINST": "L4H4"}, ["chain", "11"], "chain takes no AGAINST"),
     ({"LATE": "x"}, ["floor", "11"], "SEED and LATE must be whole numbers"),
     ({}, ["report", "abc"], "SEED and LATE must be whole numbers"),
+    ({"LATE": "\u00b2"}, ["floor", "11"], "SEED and LATE must be whole numbers"),
+    ({}, ["measure", "0", "1"], "measure takes one SEED (got 2)"),
+    ({}, ["flor", "1"], "the first word must be floor, measure, report or chain"),
 ])
 def test_bad_input_bench_controls_refuses_in_one_line(tmp_path, monkeypatch, capsys, env, argv,
                                                       said):

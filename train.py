@@ -642,17 +642,51 @@ def measure_checkpoints(paths, rows, settings_of, measure, written, shown=lambda
     """The loop of hessian.py and probe.py: settings_of(path) (its step and settings) of every
     checkpoint before any write, then measure(path)'s row (None: none) appended to its run's
     `rows` file and shown, unless a row there has those settings already."""
-    for path, settings in [(path, settings_of(path)) for path in paths]:    # every file read first
-
+    todo = [(path, settings_of(path)) for path in paths]           # every file read first
+    for out in {os.path.join(os.path.dirname(path) or ".", rows) for path, _ in todo}:
+        if os.path.exists(out) and not os.access(out, os.W_OK):     # before any measurement
+            raise ValueError(f"{out} is not writable: no row could be saved")
+    for path, settings in todo:
         out = os.path.join(os.path.dirname(path) or ".", rows)
         if any(all(r.get(k) == v for k, v in settings.items()) for r in data.read_rows(out)):
             print(f"{path}: in {out} with these settings already: skipped", file=sys.stderr)
             continue
-        row = measure(path)
-        if row is not None:
-            data.append_line(out, json.dumps(row))          # saved, then shown
-            written.append(path)
-            print(json.dumps(shown(row)), flush=True)
+        claim = f"{out}.{os.path.basename(path)}.lock"
+        if not claim_file(claim):
+            print(f"{path}: being measured by another process ({claim}; delete it if none "
+                  f"is): skipped", file=sys.stderr)
+            continue
+        try:
+            row = measure(path)
+            if row is not None:
+                data.append_line(out, json.dumps(row))      # saved, then shown
+                written.append(path)
+                print(json.dumps(shown(row)), flush=True)
+        finally:
+            os.unlink(claim)
+
+
+def claim_file(path):
+    """Create `path` holding this process's id, atomically: False if a live process holds it (a
+    claim left by a process that no longer runs is taken over)."""
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                with open(path) as f:
+                    os.kill(int(f.read() or 0), 0)          # raises if no such process
+                return False
+            except (ProcessLookupError, ValueError):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)                         # stale: its process is gone
+                continue
+            except PermissionError:                         # alive, another user's
+                return False
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
 
 
 def measured_so_far(written, verb, rows):
@@ -788,8 +822,9 @@ def read_checkpoint(path, device="cpu"):
     return ckpt
 
 
-def load_checkpoint(path, device="cpu"):
-    """(model in eval mode, ckpt, lang) from a checkpoint file; kind "lookup": LookupTable."""
+def load_checkpoint(path, device="cpu", finite=False):
+    """(model in eval mode, ckpt, lang) from a checkpoint file; kind "lookup": LookupTable.
+    finite: a weight that is NaN or infinite is a one-line error (nothing to measure)."""
     ckpt = read_checkpoint(path, device)
     try:
         lang = data.language_from_spec(ckpt["language"])
@@ -802,6 +837,11 @@ def load_checkpoint(path, device="cpu"):
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"{path}: a damaged train.py checkpoint ({type(e).__name__}: "
                          f"{data.first_line(e)})") from None
+    bad = [k for k, v in net.state_dict().items() if v.is_floating_point()
+           and not torch.isfinite(v).all()] if finite else []
+    if bad:
+        raise ValueError(f"{path}: {len(bad)} weight tensor(s) hold NaN or inf ({bad[0]}, ...): "
+                         f"nothing to measure")
     return net.to(device).eval(), ckpt, lang
 
 

@@ -1,7 +1,7 @@
 """The main setting's same-loss pairs measured with the controls a reviewer of a flatness claim
 asks for (pcfg-deep, tf-deep; after `bash .bench/e1_dose.sh construct SEED`, and `larger SEED`
 for E2). Both sides of every pair at lr 0, fine-tuning tuned per checkpoint, the weight norm and
-a rescaling-invariant trace beside Tr F and Tr H, every size probed through one 512-d width.
+a rescaling-invariant trace beside Tr F and Tr H, every probe protocol.
 
     python .bench/controls.py floor SEED          # E1's B: a finished floor matching A's KL
     python .bench/controls.py measure SEED        # every measure at the pair (~40-90 min)
@@ -19,16 +19,18 @@ tf-deep's floor, B = the larger model's checkpoint of nearest KL on its own floo
 matches). RUNS= sets the folder.
 
 The measures, fixed before the runs: hessian.py --fisher-gap 30 (Tr F, Tr H, the adaptive trace,
-weight norms); on the root (task A) of the same 8,000 test sentences, the 512-d projection on
-every side, 3 probe seeds: the linear probe on 4,000 sentences for 400 epochs (the ceiling row),
-its sample-efficiency area over 125 ... 4,000 sentences (probe.py --method curve; the transfer
-measure with room); and fine-tuning on 500 sentences, tuned on their validation fifth, one
-probe seed (its grid runs up to 15,360 updates, ~36,000 where a choice on its edge widens it:
-the compute goes to training seeds instead).
+weight norms); on the root (task A) of the same 8,000 test sentences, the solved probe
+(probe.linear_probe, L2 chosen per checkpoint on a validation fifth) at full width: its
+sample-efficiency area over 125 ... 4,000 sentences (probe.py --method curve; the transfer measure
+with room, the verdict's) and its accuracy on 4,000 (the ceiling row); the same two by the
+record's probe (AdamW, 400 epochs, 3 probe seeds, through a 512-d Gaussian map before the
+standardisation: the bridge to the earlier measurements; RECORD=0 skips it); and fine-tuning on
+500 sentences, tuned on their validation fifth, one probe seed (FINETUNE=0 skips it).
 """
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -41,10 +43,14 @@ import train  # noqa: E402
 
 DECAYS = (25, 50, 100, 200, 400, 800)     # lengths of B's full decay, to lr 0
 REFINE = 4                                # at most this many more lengths (next_decay)
-SETTINGS = (("linear_A", "linear probe, 4,000"), ("curve_A", "sample-efficiency area"),
-            ("finetune_A", "fine-tuned, 500"))
+# (probe.setting_name of the rows, label): the solved probe at full width (the measure fixed
+# before the runs: its area; at the widths of E1 its orthonormal map is no map), the record's
+# probe through its 512-d Gaussian map (the bridge), fine-tuning tuned per side
+SETTINGS = (("curve_A", "solved, area"), ("linear_A", "solved, 4,000"),
+            ("curve_A_adamw_w512", "record's probe, area"),
+            ("linear_A_adamw_w512", "record's probe, 4,000"), ("finetune_A", "fine-tuned, 500"))
 PAPER = {"later": 1.6, "L4H4": 6.9, "L8H2": 6.9}   # the paper's effects, points (Figs. 1, 2)
-R = os.environ.get("RUNS", "runs")
+R = os.path.abspath(os.environ.get("RUNS", "runs"))   # one folder, wherever a script runs
 LATE = os.environ.get("LATE", "20")
 AGAINST = os.environ.get("AGAINST", "later")
 
@@ -135,13 +141,17 @@ def measure(seed):
     """Every measure of the module docstring at the pair (each script skips what it has)."""
     a, b, _ = pair(seed)
     common = ["--task", "A", "--n-test", "8000"]
+    record = ["--probe", "adamw", "--width", "512", "--seeds", "3", "--epochs", "400"]
     run([sys.executable, "hessian.py", a, b, "--fisher-gap", "30"])
-    run([sys.executable, "probe.py", a, b, *common, "--seeds", "3", "--n-train", "4000",
-         "--epochs", "400"])
-    run([sys.executable, "probe.py", a, b, *common, "--seeds", "3", "--method", "curve",
-         "--n-train", "4000", "--epochs", "400"])
-    run([sys.executable, "probe.py", a, b, *common, "--seeds", "1", "--method", "finetune",
-         "--n-train", "500"])      # one probe seed: the grid's own run at the choice
+    for method in ("curve", "linear"):
+        run([sys.executable, "probe.py", a, b, *common, "--method", method, "--n-train", "4000"])
+    if os.environ.get("RECORD", "1") == "1":          # RECORD=0: the solved probe alone
+        for method in ("curve", "linear"):
+            run([sys.executable, "probe.py", a, b, *common, *record, "--method", method,
+                 "--n-train", "4000"])
+    if os.environ.get("FINETUNE", "1") == "1":        # FINETUNE=0: no fine-tuning
+        run([sys.executable, "probe.py", a, b, *common, "--seeds", "1", "--method",
+             "finetune", "--n-train", "500"])      # one probe seed: the grid's own run
 
 
 def chain(seed):
@@ -177,8 +187,7 @@ def report(seeds):
     each flatness measure, beside the loss baseline: r and R² on the KL difference, and each
     trace's partial r² given it. A seed whose chain has not reached its pair yet is one line."""
     gains, n_matched = {s: [] for s, _ in SETTINGS}, 0   # per setting: (gain, its pair's logs)
-    grids = {s: probe.probe_settings(0, "A", s.split("_")[0], 0, 0, 1, None, None).get(
-        "ft_grid_of") for s, _ in SETTINGS}              # today's fine-tuning grid, or None
+    grid = probe.probe_settings(0, "A", "finetune", 0, 0, 1, None, None, None)["ft_grid_of"]
     pairs = {}
     for seed in seeds:
         try:
@@ -191,39 +200,67 @@ def report(seeds):
         if isinstance(p, str):
             print(f"seed {seed}: {p}")
             continue
-        a, b, margin = p
-        (ha,), (hb,) = (rows_at(c, "hessian.jsonl")[-1:] or [None] for c in (a, b))
-        if ha is None or hb is None:
-            print(f"seed {seed}: not measured yet (measure {seed})")
+        try:
+            n_matched += seed_report(seed, *p, grid, gains)
+        except (KeyError, TypeError, ValueError, OSError) as e:   # this seed only: say which
+            what = f"no field {e}" if isinstance(e, KeyError) else data.first_line(e)
+            print(f"seed {seed}: not reported ({type(e).__name__}: {what})")
+    summarise(gains, n_matched)
+
+
+def seed_report(seed, a, b, margin, grid, gains):
+    """One seed's lines; its gains joined to `gains` where matched (all or none) -> matched."""
+    (ha,), (hb,) = (rows_at(c, "hessian.jsonl")[-1:] or [None] for c in (a, b))
+    if ha is None or hb is None:
+        print(f"seed {seed}: not measured yet (measure {seed})")
+        return False
+    for side, h, c in (("A", ha, a), ("B", hb, b)):
+        missing = [k for k in ("trace", "fisher_gap", "adaptive_trace", "weight_norm")
+                   if not isinstance(h.get(k), (int, float))]
+        if missing:
+            raise ValueError(f"{side}'s hessian.jsonl row at {c} has no number for "
+                             f"{', '.join(missing)} (an earlier release's, or no --fisher-gap): "
+                             f"measure {seed} again after removing it")
+    ka, kb = kl_at(a), kl_at(b)
+    ratio = {"Tr F": hb["trace"] / ha["trace"],
+             "Tr H": (hb["trace"] + hb["fisher_gap"]) / (ha["trace"] + ha["fisher_gap"]),
+             "adaptive": hb["adaptive_trace"] / ha["adaptive_trace"],
+             "‖θ‖": hb["weight_norm"] / ha["weight_norm"]}
+    bad = [k for k, v in ratio.items() if not v > 0]
+    if bad:
+        raise ValueError(f"B / A of {', '.join(bad)} is {ratio[bad[0]]:.3g}, not positive (a "
+                         f"negative Tr H estimate?): no log ratio")
+    matched, mine = margin < 2, {}
+    print(f"seed {seed}: A {a} KL {ka['kl']:.4f}, B {b} KL {kb['kl']:.4f} ({margin:.1f} se, "
+          f"{'matched' if matched else 'NOT matched'}); B / A: " + ", ".join(
+              f"{k} {v:.2f}x" for k, v in ratio.items()))
+    for setting, label in SETTINGS:
+        pa, pb = ([r for r in rows_at(c, "probe.jsonl") if probe.setting_name(r) == setting
+                   and r["n_test"] == 8000 and r.get("ft_grid_of", grid) == grid][-1:]
+                  for c in (a, b))
+        if not (pa and pb):
+            print(f"  {label}: not measured")
             continue
-        ka, kb = kl_at(a), kl_at(b)
-        ratio = {"Tr F": hb["trace"] / ha["trace"],
-                 "Tr H": (hb["trace"] + hb["fisher_gap"]) / (ha["trace"] + ha["fisher_gap"]),
-                 "adaptive": hb["adaptive_trace"] / ha["adaptive_trace"],
-                 "‖θ‖": hb["weight_norm"] / ha["weight_norm"]}
-        matched = margin < 2
-        print(f"seed {seed}: A {a} KL {ka['kl']:.4f}, B {b} KL {kb['kl']:.4f} ({margin:.1f} se, "
-              f"{'matched' if matched else 'NOT matched'}); B / A: " + ", ".join(
-                  f"{k} {v:.2f}x" for k, v in ratio.items()))
-        for setting, label in SETTINGS:
-            method = setting.split("_")[0]
-            pa, pb = ([r for r in rows_at(c, "probe.jsonl") if r["method"] == method
-                       and r["n_test"] == 8000 and r.get("ft_grid_of") == grids[setting]][-1:]
-                      for c in (a, b))
-            if not (pa and pb):
-                print(f"  {label}: not measured")
-                continue
-            (d,), (se,), _, _ = probe.paired_difference(
-                [pa[0]["n_correct"]], [pb[0]["n_correct"]], len(pa[0]["seeds"]))
-            tuned = "".join(f"; {side} chose lr {r['ft_choice']['lr']:g} x "
-                            f"{r['ft_choice']['updates']}{' (grid edge)' * r['ft_at_edge']}"
-                            for side, r in (("A", pa[0]), ("B", pb[0])) if "ft_choice" in r)
-            print(f"  {label:24s} {pa[0]['acc']:.4f} -> {pb[0]['acc']:.4f}: B - A "
-                  f"{100 * d:+.2f} ± {100 * se:.2f} points{tuned}")
-            if matched:
-                gains[setting].append((100 * d, {**{k: math.log(v) for k, v in ratio.items()},
-                                                 "dKL": kb["kl"] - ka["kl"]}))
-        n_matched += matched
+        (d,), (se,), _, _ = probe.paired_difference(
+            [pa[0]["n_correct"]], [pb[0]["n_correct"]], len(pa[0]["seeds"]))
+        tuned = "".join(f"; {side} chose lr {r['ft_choice']['lr']:g} x "
+                        f"{r['ft_choice']['updates']}{' (grid edge)' * r['ft_at_edge']}"
+                        for side, r in (("A", pa[0]), ("B", pb[0])) if "ft_choice" in r)
+        solved = "".join(f"; {side} L2 {r['l2']}, max |grad| {r['grad_max']:.0e} in "
+                         f"{r['iterations']} iterations" for side, r in
+                         (("A", pa[0]), ("B", pb[0])) if "grad_max" in r)
+        print(f"  {label:24s} {pa[0]['acc']:.4f} -> {pb[0]['acc']:.4f}: B - A "
+              f"{100 * d:+.2f} ± {100 * se:.2f} points{tuned}{solved}")
+        if matched:
+            mine[setting] = (100 * d, {**{k: math.log(v) for k, v in ratio.items()},
+                                       "dKL": kb["kl"] - ka["kl"]})
+    for setting, gain in mine.items():
+        gains[setting].append(gain)
+    return matched
+
+
+def summarise(gains, n_matched):
+    """Over the matched seeds, per setting: the t-interval, r with each log ratio, the baseline."""
     paper = PAPER[AGAINST]
     print(f"over the {n_matched} matched seeds (each setting over those where it is measured):")
     for setting, label in SETTINGS:
@@ -259,20 +296,24 @@ def run(argv, **env):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     way, seeds = (argv[0], argv[1:]) if argv else (None, [])
-    if way not in ("floor", "measure", "report", "chain") or not seeds or (way != "report"
-                                                                  and len(seeds) > 1):
-        sys.exit(__doc__.split("\n\n")[1].rstrip())
+    if way not in ("floor", "measure", "report", "chain"):
+        sys.exit(f"controls.py: error: the first word must be floor, measure, report or chain"
+                 f" (got {way!r}); see the header: python .bench/controls.py -h")
+    if not seeds or (way != "report" and len(seeds) > 1):
+        sys.exit(f"controls.py: error: {way} takes {'SEED ...' if way == 'report' else 'one SEED'}"
+                 f" (got {len(seeds)})")
     if AGAINST not in PAPER:
         sys.exit(f"controls.py: error: AGAINST must be later, L4H4 or L8H2, not {AGAINST}")
-    if not all(s.isdigit() for s in seeds) or not LATE.isdigit():
+    if not all(re.fullmatch("[0-9]+", s) for s in [*seeds, LATE]):     # not "²": ASCII digits
         sys.exit(f"controls.py: error: SEED and LATE must be whole numbers, got {seeds}, {LATE}")
     try:
         if AGAINST != "later" and way in ("floor", "chain"):
             raise ValueError(f"{way} takes no AGAINST: E2's pairs come from e1_dose.sh larger")
         {"floor": lambda: floor(seeds[0]), "measure": lambda: measure(seeds[0]),
          "report": lambda: report(seeds), "chain": lambda: chain(seeds[0])}[way]()
-    except ValueError as e:
-        sys.exit(f"controls.py: error: {data.first_line(e)}")
+    except (ValueError, KeyError, OSError) as e:
+        what = f"no field {e}" if isinstance(e, KeyError) else data.first_line(e)
+        sys.exit(f"controls.py: error: {type(e).__name__}: {what}")
 
 
 if __name__ == "__main__":

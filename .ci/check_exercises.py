@@ -38,7 +38,7 @@ TEACHING_PATH = [
     (f"hessian.py {Q} --sentences 8 --samples 2 --repeats 2 --hvp-sentences 4",
      ["trace_hessian"]),
     ("hessian.py --sgd-demo", ["noise_covariance"]),
-    (f"probe.py {Q} --n-train 20 --n-test 10 --seeds 2 --epochs 1", ["linear_probe"]),
+    (f"probe.py {Q} --n-train 20 --n-test 10", ["linear_probe"]),
     ("probe.py --summary runs/q-s0 --compare q@2 q@last", ["partial_r2", "paired_difference"]),
     ("dyck_theory.py", ["dyck_trace", "lower_bound", "transferable"]),
 ]
