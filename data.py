@@ -3,11 +3,15 @@
 The true conditional Pr(x_t = w | x_-t) gives the optimal MLM loss (its entropy, §2.1), the exact KL
 of a model to the truth (App. A.4) and the Bayes labels of the downstream tasks. `HMM` (the paper's
 HMM set) has it by forward-backward, `PCFG` (a grammar in Chomsky normal form: the PCFG set) by
-inside-outside. Both have sample / sentences, mlm_conditional, tasks / n_classes / task_data and
-spec (what checkpoints store; language_from_spec). Words are 0..V-1, then mask_id(V) and pad_id(V).
+inside-outside (App. A.2 computes them from the joint). Both have sentences(n, seed),
+mlm_conditional, tasks / n_classes / task_data (tokens, lengths, Bayes labels) and spec (what
+checkpoints store; language_from_spec); their `sample`s differ (an HMM's returns its hidden
+states, a PCFG's drops trees too long), and a PCFG's task_data keeps only sentences where the
+task's span can be a constituent. Words are 0..V-1, then mask_id(V) and pad_id(V).
 
-Reading order: mask_one; hmm_forward_backward, hmm_state_posterior, HMM; inside, outside,
-pcfg_conditional, PCFG; mlm_entropy; the samplers and the random grammar they call; LANGUAGES.
+Reading order: mask_one (and mask_rate, App. E's 15 % rate); hmm_forward_backward,
+hmm_state_posterior, HMM; inside, outside, pcfg_conditional, PCFG; mlm_entropy; the samplers and
+the random grammar they call; LANGUAGES.
 After the plumbing banner: validation, and the command line with what the later scripts share
 of it (flag types, whole writes and appends, the JSON rows reader, one-line exits).
 
@@ -80,7 +84,7 @@ def mask_rate(tokens, lengths, V, rate=0.15, generator=None):
 
 def hmm_forward_backward(init, trans, emit, tokens, observed):
     """Pr(h_t = h | x_-t) [n, T, S] float64: the hidden state at each position t given all the
-    other words, by one forward-backward pass (App. A.1, which names the Viterbi algorithm: a
+    other words, by one forward-backward pass (§2 and App. A.2 name the Viterbi algorithm: a
     max over paths, where the conditional needs the sum over them that forward-backward takes).
     The masked-token conditional: Pr(x_t = w | x_-t) = Σ_h Pr(h_t = h | x_-t) emit[h, w].
 

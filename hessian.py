@@ -251,7 +251,8 @@ def gradient_covariance(theta, shape_a, shape_b, pi, p_true):
 
 def sgd_demo(steps=20_000, lr=0.05, balance=2.0, n_rows=10, seed=0, log=None):
     """Theorem 3.3: SGD with one fresh sample per step, started on Γ at the unbalanced minimiser
-    (balance·A*, B*/balance), keeps L at the entropy and drifts toward smaller Tr[∇²L].
+    (balance·A*, B*/balance), stays near Γ (L within a small, noise-driven gap of the entropy)
+    and drifts toward smaller Tr[∇²L].
     Returns rows (step, loss - entropy, Tr[∇²L]); `log` prints each row."""
     A, B, pi = softmax_teacher(seed=seed)
     p_true = torch.softmax(A @ B, -1)

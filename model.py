@@ -115,7 +115,8 @@ def attention(q, k, v, keep):
 
 
 class SelfAttention(nn.Module):
-    """Multi-head self-attention, head dimension head_dim (64), padded keys masked (App. B.1.2)."""
+    """Multi-head self-attention, head dimension head_dim (BERT's 64; 32 in the CPU presets),
+    padded keys masked (App. B.1.2)."""
 
     def __init__(self, config):
         super().__init__()

@@ -170,8 +170,8 @@ class Objective(nn.Module):
 def make_optimizer(net, args):
     """AdamW with the Izsak et al. (2021) recipe of App. A.3 (weight decay on weight matrices
     and embeddings, none on biases and LayerNorm: academic-budget-bert's no_decay list), or
-    plain SGD (App. B.3). The paper's lr 1e-3 is for 2M-730M models; the CPU presets train at
-    1e-2 (lstm-small, the default) and 5e-3 (tf-deep)."""
+    plain SGD (App. B.3). The paper's lr 1e-3 is for 2M-730M models; `--lr` defaults to 1e-2
+    for every preset (tf-deep's runs in .bench/ pass --lr 5e-3)."""
     if args.algo == "sgd":
         return torch.optim.SGD(net.parameters(), lr=args.lr)
     decay = [p for p in net.parameters() if p.dim() >= 2]
