@@ -8,6 +8,7 @@ Reading order:
 
   fisher_gap           what that estimate leaves out away from saturation (Hutchinson probes)
   gradient_covariance  Lemma 3.2 (noise covariance = Hessian at a minimiser) on a toy softmax
+  lemma_3_2_check      Lemma 3.2 on it: the noise covariance is the Hessian at a minimiser
   sgd_demo             Theorem 3.3: SGD drifts along the minimisers towards a smaller trace
 After the banner, the plumbing: the masked position's log-probabilities, the plain-ops LSTM
 that torch.func and double backward need, and the command line. Every measure runs in eval mode
@@ -113,7 +114,7 @@ def sq_grad_norms(net, inputs, positions, labels, chunk_size=None, scaled=False)
 
 # =========================== flatness that rescaling cannot fake, and the scale it is measured at
 def adaptive_trace(model, inputs, positions, n_samples=10, seed=0):
-    """Tr(T G T) with T = diag(|θ|), G the Fisher matrix of trace_hessian: the trace in the
+    """Tr(D G D) with D = diag(|θ|), G the Fisher matrix of trace_hessian: the trace in the
     coordinates of Kwon et al. (2021)'s adaptive sharpness, E_ỹ ‖θ ⊙ ∇_θ log p_θ(ỹ | x_-t)‖²
     over the sentences, ỹ ~ p_θ (n_samples per sentence, torch.multinomial seeded `seed`). A
     rescaling θ_i -> c_i θ_i that leaves the network's function unchanged (a LayerNorm's input
@@ -190,7 +191,7 @@ def fisher_gap(model, inputs, positions, p_true, n_probes=30, seed=0):
 # ============================================================= §3: Lemma 3.2 and Theorem 3.3
 # A well-specified toy whose global minimisers form a manifold: contexts c ~ π, words
 # y ~ softmax(Z*_c), model p_θ(y|c) = softmax(A_c B) with θ = (A [C, k], B [k, V]). Every
-# (A G, G⁻¹ B) with G invertible fits the teacher exactly, so L(θ) = entropy on a manifold Γ
+# (A M, M⁻¹ B) with M invertible fits the teacher exactly, so L(θ) = entropy on a manifold Γ
 # while Tr[∇²L] varies along it (large when A and B are unbalanced). All float64.
 
 def softmax_teacher(n_contexts=6, n_words=6, width=6, seed=0):
@@ -247,6 +248,19 @@ def gradient_covariance(theta, shape_a, shape_b, pi, p_true):
     mean = weights @ g                                            # ∇L(θ)
     return (g * weights[:, None]).T @ g - torch.outer(mean, mean)
     # END EXERCISE noise_covariance
+
+
+def lemma_3_2_check(seed=0):
+    """Lemma 3.2 on the toy: max |Cov[∇ℓ] - ∇²L| at a minimiser on Γ, (2 A*, B*/2), where it is
+    zero up to rounding, and off Γ, (A*, 2 B*), where it is not -> (at, off), two floats."""
+    A, B, pi = softmax_teacher(seed=seed)
+    p_true, shapes = torch.softmax(A @ B, -1), (A.shape, B.shape)
+    gaps = []
+    for a, b in ((2 * A, B / 2), (A, 2 * B)):
+        theta = torch.cat([a.reshape(-1), b.reshape(-1)])
+        gaps.append((gradient_covariance(theta, *shapes, pi, p_true)
+                     - population_hessian(theta, *shapes, pi, p_true)).abs().max().item())
+    return tuple(gaps)
 
 
 def sgd_demo(steps=20_000, lr=0.05, balance=2.0, n_rows=10, seed=0, log=None):
@@ -495,13 +509,8 @@ def measure(args, written):
     """main() without its one-line exits: the SGD demonstration, or a row per checkpoint."""
     torch.set_num_threads(args.threads)
     if args.sgd_demo:
-        A, B, pi = softmax_teacher()
-        p_true, shapes = torch.softmax(A @ B, -1), (A.shape, B.shape)
-        for where, (a, b) in (("at the minimiser (2 A*, B*/2)", (2 * A, B / 2)),
-                              ("off the manifold (A*, 2 B*)", (A, 2 * B))):
-            theta = torch.cat([a.reshape(-1), b.reshape(-1)])
-            gap = (gradient_covariance(theta, *shapes, pi, p_true)
-                   - population_hessian(theta, *shapes, pi, p_true)).abs().max().item()
+        for where, gap in zip(("at the minimiser (2 A*, B*/2)", "off the manifold (A*, 2 B*)"),
+                              lemma_3_2_check()):
             print(f"Lemma 3.2 {where}: max |Cov[∇ℓ] - ∇²L| = {gap:.1e}")
         print("Theorem 3.3: SGD (lr 0.05, batch 1) from the unbalanced minimiser (2 A*, B*/2)")
 

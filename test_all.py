@@ -3403,6 +3403,11 @@ def test_hessian_toy_sample_gradients_match_autograd():
                           torch.func.hessian(_hessian_toy_loss)(theta, pi, p_true), atol=1e-12)
 
 
+def test_hessian_lemma_3_2_check_is_zero_on_the_manifold_only():
+    at, off = hessian.lemma_3_2_check()
+    assert at < 1e-12 and off > 1e-2, (at, off)
+
+
 def test_hessian_sgd_reduces_trace_theorem_3_3():
     A, B, pi = hessian.softmax_teacher(seed=0)
     p_true = torch.softmax(A @ B, -1)
@@ -5249,6 +5254,26 @@ def test_handout_refuses_bad_markers_and_arguments(tmp_path, edits, argv, messag
         handout.write_handout(str(out), [a for a in argv if not a.startswith("--")] or ["mask"],
                               root=str(root))
     assert not os.path.exists(out) or os.listdir(out) == ["x"]
+
+
+def test_handout_reads_a_script_as_python_does(tmp_path):
+    """PEP 263: a latin-1 file with its coding line is Python source (Python imports it); bytes
+    that are no text are a one-line HandoutError naming the file; a script submitted under
+    another name is named in its "not submitted" line."""
+    handout = _handout()
+    latin = "# -*- coding: latin-1 -*-\nname = 'Gödel'\n".encode("latin-1")
+    assert handout.python_source(latin, "data.py").endswith("name = 'Gödel'\n")
+    assert handout.python_source(b"\xef\xbb\xbfx = 1\n", "data.py") == "x = 1\n"
+    with pytest.raises(handout.HandoutError, match="data.py is not Python source text"):
+        handout.python_source(b"x = '\xff\xfe\x96'\n", "data.py")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "data (1).py").write_text("x = 1\n")
+    said = handout.take_submitted(str(tmp_path / "sub"), "data.py", str(tmp_path), "x = 1\n")
+    assert said == "was not submitted (submitted instead: data (1).py)"
+    (tmp_path / "sub" / "data.py").write_bytes(latin)
+    assert handout.take_submitted(str(tmp_path / "sub"), "data.py", str(tmp_path),
+                                  "name = 1\n") is None
+    assert (tmp_path / "data.py").read_bytes() == latin             # graded as submitted
 
 
 # --------------------------------------------------- faults: full disks, signals, resumes, specs

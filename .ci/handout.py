@@ -64,6 +64,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import tokenize
 import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,13 +86,29 @@ class HandoutError(Exception):
     """A one-line message about the markers or the command line."""
 
 
+def python_source(data, path):
+    """The text of Python file `path` (bytes `data`), decoded as Python decodes it (PEP 263: a
+    BOM or a coding line, else UTF-8), or a HandoutError naming the file."""
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+        return data.decode(encoding).removeprefix("\ufeff")
+    except (SyntaxError, UnicodeDecodeError, LookupError) as e:
+        raise HandoutError(f"{path} is not Python source text ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def read_python(path):
+    """python_source of the file at `path`."""
+    with open(path, "rb") as f:
+        return python_source(f.read(), path)
+
+
 def find_exercises(root=ROOT):
     """{name: dict(file, begin, end, indent, requires, function, section, syntax_error)} from
     the markers of the six scripts in `root`."""
     found = {}
     for script in SCRIPTS:
-        with open(os.path.join(root, script), encoding="utf-8-sig") as f:
-            add_exercises(found, script, f.read())
+        add_exercises(found, script, read_python(os.path.join(root, script)))
     for name, ex in found.items():
         for other in found:
             if other != name and other.startswith(name):
@@ -191,7 +208,7 @@ def handout_files(names, root=ROOT, exercises=None):
         except OSError as e:
             raise HandoutError(f"could not read {src}: {e.strerror or e}") from None
         if file in SCRIPTS:
-            text = data.decode("utf-8-sig")
+            text = python_source(data, src)
             data = blanked_source(text, exercises, file, set(names)).encode("utf-8")
         files[file] = data
     return files
@@ -598,9 +615,8 @@ def grade(folder, names, exercises=None, limit=TIME_LIMIT, timeout=None, replace
         handout's NotImplementedError (a statement, not a comment)."""
         ex = exercises[name]
         try:
-            with open(os.path.join(folder, ex["file"]), encoding="utf-8-sig") as f:
-                tree = ast.parse(f.read())
-        except (OSError, SyntaxError, ValueError):
+            tree = ast.parse(read_python(os.path.join(folder, ex["file"])))
+        except (OSError, SyntaxError, ValueError, HandoutError):
             return False
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
@@ -977,11 +993,15 @@ def take_submitted(submission, script, folder, handed_out):
     the screen passes it (what its handed-out copy, the text `handed_out`, does not use); else
     leave the handed-out one there and return what is wrong (words that follow the file's
     name). It is looked for at the top of the submission, else in the folder nearest the top:
-    a student may upload a whole folder. Read as UTF-8, with or without a byte order mark."""
+    a student may upload a whole folder. Read as Python reads it (PEP 263: a byte order mark or
+    a coding line, else UTF-8)."""
     found = sorted((top.count(os.sep), os.path.join(top, script))
                    for top, _, files in os.walk(submission) if script in files)
     if not found:
-        return "was not submitted"
+        near = sorted({f for _, _, files in os.walk(submission) for f in files
+                       if f.startswith(script.removesuffix(".py"))})
+        return "was not submitted" + (f" (submitted instead: {', '.join(near[:3])})"
+                                      if near else "")
     if len(found) > 1 and found[0][0] == found[1][0]:
         return (f"was submitted twice ({os.path.relpath(found[0][1], submission)}, "
                 f"{os.path.relpath(found[1][1], submission)})")
@@ -989,11 +1009,11 @@ def take_submitted(submission, script, folder, handed_out):
         fd = os.open(found[0][1], os.O_RDONLY | os.O_NOFOLLOW)
         with open(fd, "rb") as f:
             data = f.read()
-        text = data.decode("utf-8-sig")
+        text = python_source(data, script)
         compile(text, script, "exec", dont_inherit=True)
         wrong = screen(text, handed_out)
-    except UnicodeDecodeError:
-        return "is not UTF-8 text"
+    except HandoutError:
+        return "is not Python source text (not UTF-8, and no PEP 263 coding line says what)"
     except SyntaxError as e:
         return f"has a syntax error ({f'line {e.lineno}: ' if e.lineno else ''}{e.msg})"
     except ValueError as e:                          # a null byte, before Python 3.11.4
@@ -1137,8 +1157,8 @@ def autograde(root, names):
                 os.chmod(os.path.join(top, file), 0o644)
         replaced = {}
         for script in SCRIPTS:
-            with open(os.path.join(project, script), encoding="utf-8-sig") as f:
-                wrong = take_submitted(os.path.join(root, "submission"), script, folder, f.read())
+            wrong = take_submitted(os.path.join(root, "submission"), script, folder,
+                                   read_python(os.path.join(project, script)))
             if wrong:
                 replaced[script] = wrong
         for _ in SCRIPTS:
@@ -1210,6 +1230,8 @@ def main(argv=None):
             print_list(find_exercises())
     except HandoutError as e:
         sys.exit(f"handout: {e}")
+    except OSError as e:                 # a folder the checks above could not foresee (/proc)
+        sys.exit(f"handout: {e.filename or args.out}: {e.strerror or e}")
     except KeyboardInterrupt:
         sys.exit("handout: interrupted; nothing written")
 
