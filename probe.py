@@ -296,7 +296,7 @@ def finetune(model, train_split, test_split, n_classes, seed, lr=3e-3, at=(160,)
 
 
 def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, width=None,
-                   device="cpu"):
+                   device="cpu", partial=None):
     """Fine-tuning as a protocol: for every lr of FT_LRS, one run of finetune with probe seed 0
     on the training split less its last 1/VALID_SHARE (the validation split, never a test
     sentence), judged at every n of FT_UPDATES until it diverges (validation below half its
@@ -305,11 +305,20 @@ def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, width=Non
     a decade of lr past an edge lr, twice the last n, half the first (a run replays its first
     updates exactly: only new points are judged). Seeds 1..n_seeds-1 then run at the choice. ->
     (per seed the test correctness at the choice; the grid [{lr, updates, val_acc, test_acc}]
-    of seed 0; the chosen grid row; whether it is still on the grid's edge)."""
+    of seed 0; the chosen grid row; whether it is still on the grid's edge). `partial`: a file
+    that keeps the judged points as they come, so that a run stopped midway continues there."""
     n_val = max(1, len(train_split[0]) // VALID_SHARE)
     fit = tuple(x[:-n_val] for x in train_split)
     judged = tuple(torch.cat([v[-n_val:], t]) for v, t in zip(train_split, test_split))
     lrs, ups, grid, correct, stop = list(FT_LRS), list(FT_UPDATES), [], {}, {}
+    settings = [n_classes, width, len(fit[0]), len(test_split[0]), list(FT_LRS),
+                list(FT_UPDATES), FT_EXTEND, FT_WARMUP]
+    kept = torch.load(partial, weights_only=True) if partial and os.path.isfile(partial) else {}
+    if kept.get("of") == settings:
+        grid, stop = kept["grid"], {float(k): v for k, v in kept["stop"].items()}
+        correct = {tuple(map(float, k.split())): c for k, c in kept["correct"].items()}
+        correct = {(lr, int(n)): c for (lr, n), c in correct.items()}
+        print(f"[finetune] {len(grid)} grid point(s) kept in {partial}", file=sys.stderr)
     for widened in range(FT_EXTEND + 1):
         for lr in lrs:
             at = tuple(n for n in ups if (lr, n) not in correct and n < stop.get(lr, math.inf))
@@ -323,8 +332,14 @@ def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, width=Non
                              "test_acc": c[n_val:].float().mean().item()})
                 print(f"[finetune] lr {lr:g} x {n} updates: validation {val:.4f}, test "
                       f"{grid[-1]['test_acc']:.4f}", file=sys.stderr, flush=True)
-                if val < max(r["val_acc"] for r in grid if r["lr"] == lr) / 2:
-                    stop[lr] = n                # diverged: the rest of this run is not run
+                diverged = val < max(r["val_acc"] for r in grid if r["lr"] == lr) / 2
+                stop.update({lr: n} if diverged else {})   # the rest of this run is not run
+                if partial:
+                    data.save_whole(partial, {
+                        "of": settings, "grid": grid,
+                        "stop": {str(k): v for k, v in stop.items()},
+                        "correct": {f"{k[0]!r} {k[1]}": c for k, c in correct.items()}})
+                if diverged:
                     break
         # 100 validation sentences tie often; within a run test accuracy rose with the updates
         # until the run diverged (.bench/RESULTS.md), so a tie goes to the longer run
@@ -484,8 +499,11 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
         raise ValueError(f"{path}: its features are NaN or infinite: not probed")
     tuned = {}
     if method == "finetune":
+        partial = os.path.join(os.path.dirname(path) or ".",
+                               f"probe.jsonl.{os.path.basename(path)}.{task}.finetune.pt")
         by_seed, grid, best, edge = tuned_finetune(model, *cache[key], n_classes, n_seeds,
-                                                   width, device)
+                                                   width, device, partial)
+        os.remove(partial)                              # the row is whole: nothing to continue
         tuned = {"ft_grid": grid, "ft_choice": best, "ft_at_edge": edge}
     accs, n_correct = [], torch.zeros(n_test, dtype=torch.float64)   # seeds right, per sentence
     certificates = []

@@ -4411,6 +4411,35 @@ def test_probe_tuned_finetune_chooses_on_the_validation_split(monkeypatch):
     assert [c.tolist() for c in by_seed] == [[False] * n_test, [True] * n_test, [False] * n_test]
 
 
+def test_probe_tuned_finetune_keeps_its_grid_points_when_stopped(monkeypatch, tmp_path):
+    """Interrupted after the first lr's points, a rerun with the same `partial` file judges only
+    the points not judged yet, and chooses as an uninterrupted run does."""
+    monkeypatch.setattr(probe, "FT_LRS", (1e-3, 1e-2))
+    monkeypatch.setattr(probe, "FT_UPDATES", (40, 80))
+    monkeypatch.setattr(probe, "FT_EXTEND", 0)
+    tok = torch.arange(26)[:, None].repeat(1, 3)
+    split = lambda a, b: (tok[a:b], torch.full((b - a,), 3), torch.zeros(b - a, dtype=torch.long))
+    runs, right = [], {(1e-3, 40): 1, (1e-3, 80): 4, (1e-2, 40): 2, (1e-2, 80): 3}
+
+    def stand_in(model, fit, judged, n_classes, seed, lr, at, width, device="cpu"):
+        runs.append((seed, lr, at))
+        if seed == 0 and lr == 1e-2 and interrupt:
+            raise KeyboardInterrupt
+        for n in at:
+            yield n, torch.cat([torch.arange(4) < right[lr, n], torch.ones(6, dtype=bool)])
+    monkeypatch.setattr(probe, "finetune", stand_in)
+    partial, interrupt = str(tmp_path / "ft.pt"), True
+    with pytest.raises(KeyboardInterrupt):
+        probe.tuned_finetune(None, split(0, 20), split(20, 26), 2, 1, partial=partial)
+    interrupt, runs[:] = False, []
+    _, grid, best, _ = probe.tuned_finetune(None, split(0, 20), split(20, 26), 2, 1,
+                                            partial=partial)
+    assert runs == [(0, 1e-2, (40, 80))]                     # 1e-3's points were kept
+    assert [(r["lr"], r["updates"]) for r in grid] == [(1e-3, 40), (1e-3, 80), (1e-2, 40),
+                                                        (1e-2, 80)]
+    assert (best["lr"], best["updates"]) == (1e-3, 80)
+
+
 @pytest.mark.parametrize("right, rounds, calls, choice, edge", [
     # (1e-2, 80) is on two edges: half a decade below and twice the updates are judged; 3e-2
     # diverged at 80 (1 of 4 after 3), so it is not run again; the choice is then inside
