@@ -1330,11 +1330,14 @@ def test_model_grow_is_exact(arch, ln, width, extra):
 @exercise("grow")
 @pytest.mark.parametrize("ln", ["pre", "post"])
 def test_model_grow_leaves_the_source_unchanged(ln):
+    """The source's weights are as before, and the grown model is another, larger one."""
     small = model.build(_model_config("transformer", ln))
     before = {k: v.clone() for k, v in small.state_dict().items()}
-    model.grow(small, 2, 1)
+    big = model.grow(small, 2, 1)
     assert all(torch.equal(before[k], v) for k, v in small.state_dict().items()), \
         'expected all(torch.equal(before[k], v) for k, v in small.state_dict().items())'
+    assert isinstance(big, torch.nn.Module) and big is not small, f"grow returned {big!r}"
+    assert model.n_params(big) > model.n_params(small), "the grown model is not larger"
 
 
 @exercise("grow")

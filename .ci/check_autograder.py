@@ -13,14 +13,17 @@ score, max_score 1, visibility and words of its output):
   broken     the solutions with a syntax error in            the exercises of those two files
              dyck_theory.py and without model.py (which      score 0 and say why, the others
              train.py and hessian.py import); no results/    pass; results/ is made
-  classroom  the solutions, edited as a class does: data.py  data.py's and train.py's pass;
-             saved with a byte order mark and without its    lr_schedule fails, naming its
-             exercise markers; train.py with mlm_loss's      test, line and assertion;
+  classroom  the solutions, edited as a class does: data.py  data.py's, model.py's and
+             saved with a byte order mark and without its    train.py's pass; lr_schedule
+             exercise markers; model.py in latin-1 with its  fails, naming its test, line and
+             coding line (PEP 263); train.py with mlm_loss's assertion;
              raise left as a comment and lr_schedule         hessian.py's and dyck_theory.py's
              wrong; hessian.py importing a helper module     score 0, naming file and line;
              (submitted); dyck_theory.py with a line that    partial_r2 scores 0 (the time
              fails at import; probe.py's partial_r2 stuck    limit), the rest of probe.py's
              in compiled code                                pass; all in Gradescope's time
+  nothing    the student copy, every exercise returning    every exercise 0
+             None: no work
   hostile    the student copy, with: data.py patching the    its true score: train.py's,
              grading plugin; the solutions of train.py,      hessian.py's and probe.py's
              hessian.py and probe.py, with train.py writing  exercises pass, the others 0;
@@ -229,6 +232,11 @@ def classroom_submission(submission, exercises, names):
         text = f.read()
     with open(data, "wb") as f:
         f.write(b"\xef\xbb\xbf" + text)
+    model_py = os.path.join(submission, "model.py")      # latin-1, said by its coding line
+    with open(model_py, encoding="utf-8") as f:
+        text = f.read()
+    with open(model_py, "wb") as f:
+        f.write(("# -*- coding: latin-1 -*-\n" + text + "# G\u00f6del\n").encode("latin-1"))
 
     at, indent = region_start(exercises, "mlm_loss")
     edit(os.path.join(submission, "train.py"), lambda lines: lines[:at] + [
@@ -265,6 +273,18 @@ def classroom_submission(submission, exercises, names):
     expected["lr_schedule"] = (None, ("failed", "test_train_", "test_all.py:", "assert"))
     expected["partial_r2"] = (0.0, "ran past the grader's time limit")
     return expected
+
+
+def nothing_submission(submission, exercises, names):
+    """The student copy with every exercise's raise replaced by `return None`: no work, and no
+    points: its expected results."""
+    handout.write_handout(submission, names, exercises=exercises)
+    for script in handout.SCRIPTS:
+        edit(os.path.join(submission, script), lambda lines: [
+            line[:len(line) - len(line.lstrip())] + "return None"
+            if line.lstrip().startswith("raise NotImplementedError('exercise ") else line
+            for line in lines])
+    return {n: (0.0, "") for n in names}
 
 
 HOSTILE = {
@@ -539,6 +559,9 @@ def main():
         classroom = unpack(bundle, os.path.join(tmp, "classroom", "autograder"))
         cases.append(("classroom", classroom, classroom_submission(
             os.path.join(classroom, "submission"), exercises, names)))
+        nothing = unpack(bundle, os.path.join(tmp, "nothing", "autograder"))
+        cases.append(("nothing", nothing, nothing_submission(
+            os.path.join(nothing, "submission"), exercises, names)))
         if ROOT_USER:
             hostile = unpack(bundle, os.path.join(tmp, "hostile", "autograder"))
             results = os.path.join(hostile, "results", "results.json")
