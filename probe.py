@@ -117,11 +117,11 @@ def chart_features(lang, tokens, lengths, batch_size=FEATURE_BATCH):
                       for b in range(0, len(tokens), batch_size)])
 
 
-def linear_probe(x_train, y_train, x_test, y_test, n_classes, l2, R=None, tol=PROBE_TOL,
-                 max_iter=PROBE_MAX_ITER):
+def linear_probe(x_train, y_train, x_test, y_test, n_classes, l2, R=None, init=None,
+                 tol=PROBE_TOL, max_iter=PROBE_MAX_ITER):
     """App. A.4's linear probe, solved to its optimum -> (correctness of each test prediction,
     bool [n_test] on the CPU; its certificate {"grad_max": max |gradient| at the answer,
-    "iterations": L-BFGS's}).
+    "iterations": L-BFGS's, "W", "b": the answer, [n_classes, D] and [n_classes]}).
 
     x_train [n, D], x_test [m, D] features (concat_features), y_* class ids < n_classes. Both
     splits are standardised with the training split's column mean and std (train.standardise),
@@ -129,7 +129,8 @@ def linear_probe(x_train, y_train, x_test, y_test, n_classes, l2, R=None, tol=PR
     (probe_map: orthonormal columns, so it does not distort the L2 geometry); with fewer
     examples than features, onto an orthonormal basis of the training rows' span, where the
     optimal W lies (the representer theorem: the same optimum, cheaper). In float64, from
-    W = 0, b = 0, full-batch L-BFGS (strong-Wolfe line search) minimises the convex
+    W = 0, b = 0 (or init = (W, b): a warm start moves the path, not the optimum), full-batch
+    L-BFGS (strong-Wolfe line search) minimises the convex
         mean_i CE(softmax(x_i Wᵀ + b), y_i) + l2 / 2 · (||W||² + ||b||²)
     until max |gradient| <= tol or max_iter iterations; a test sentence is correct where
     argmax(x Wᵀ + b) is its label. The bias is penalised too: a class absent from a small
@@ -139,11 +140,14 @@ def linear_probe(x_train, y_train, x_test, y_test, n_classes, l2, R=None, tol=PR
     x_train, x_test = train.standardise(x_train.double(), x_test.double())
     if R is not None:
         x_train, x_test = x_train @ R.double(), x_test @ R.double()
+    W0, b0 = init if init is not None else (torch.zeros(n_classes, x_train.shape[1]),
+                                            torch.zeros(n_classes))
+    Q = None
     if len(x_train) < x_train.shape[1]:   # fewer examples than features: the optimal W lies in
         Q, _ = torch.linalg.qr(x_train.T)  # the training rows' span, so solve in an orthonormal
         x_train, x_test = x_train @ Q, x_test @ Q    # basis of it: the same optimum, cheaper
-    W = torch.zeros(n_classes, x_train.shape[1], dtype=torch.float64, requires_grad=True)
-    b = torch.zeros(n_classes, dtype=torch.float64, requires_grad=True)
+    W = (W0.to(x_train) @ Q if Q is not None else W0.to(x_train)).clone().requires_grad_()
+    b = b0.to(x_train).clone().requires_grad_()
     y_train = y_train.to(x_train.device)
 
     def objective():
@@ -160,7 +164,8 @@ def linear_probe(x_train, y_train, x_test, y_test, n_classes, l2, R=None, tol=PR
     opt.step(closure)
     grad_W, grad_b = torch.autograd.grad(objective(), [W, b])
     certificate = {"grad_max": max(grad_W.abs().max().item(), grad_b.abs().max().item()),
-                   "iterations": opt.state[opt._params[0]]["n_iter"]}
+                   "iterations": opt.state[opt._params[0]]["n_iter"],
+                   "W": W.detach() @ Q.T if Q is not None else W.detach(), "b": b.detach()}
     with torch.no_grad():
         return (x_test @ W.T + b).argmax(1).eq(y_test.to(x_test.device)).cpu(), certificate
     # END EXERCISE linear_probe
@@ -188,13 +193,15 @@ def tuned_probe(x_train, y_train, x_test, y_test, n_classes, seed, width=None):
     R = probe_map(x_train.shape[1], width, seed)
     n_val = max(1, len(x_train) // VALID_SHARE)
     fit, val = (x_train[:-n_val], y_train[:-n_val]), (x_train[-n_val:], y_train[-n_val:])
-    scores, worst = {}, {"grad_max": 0.0, "iterations": 0}
-    for l2 in L2_GRID:
-        correct, cert = linear_probe(*fit, *val, n_classes, l2, R)
-        scores[l2] = correct.double().mean().item()
+    scores, worst, answers, init = {}, {"grad_max": 0.0, "iterations": 0}, {}, None
+    for l2 in sorted(L2_GRID, reverse=True):     # strong to weak, each from the last: the path
+        correct, cert = linear_probe(*fit, *val, n_classes, l2, R, init)
+        scores[l2], answers[l2] = correct.double().mean().item(), (cert.get("W"), cert.get("b"))
+        init = answers[l2] if cert.get("W") is not None else None
         worst = {k: max(worst[k], cert[k]) for k in worst}
     l2 = max(L2_GRID, key=lambda l2: (scores[l2], l2))    # a tie: the stronger penalty
-    correct, cert = linear_probe(x_train, y_train, x_test, y_test, n_classes, l2, R)
+    init = answers[l2] if answers[l2][0] is not None else None
+    correct, cert = linear_probe(x_train, y_train, x_test, y_test, n_classes, l2, R, init)
     return correct, {"l2": l2, **{k: max(worst[k], cert[k]) for k in worst}}
 
 

@@ -3635,6 +3635,24 @@ def test_probe_linear_probe_certifies_its_convergence():
 
 
 @exercise("linear_probe")
+@pytest.mark.parametrize("n_train", [400, 30])          # 30 < 40 features: the rows' span
+def test_probe_linear_probe_returns_its_answer_and_starts_from_one(n_train):
+    """W [n_classes, D], b [n_classes] are the answer: started there, the solver stops at once
+    with the same predictions; started elsewhere, it reaches the same ones."""
+    x, y = _probe_overlapping(n_train + 300, 40, 4, seed=8)
+    x_train, y_train, x_test = x[300:], y[300:], x[:300]
+    a, cert = probe.linear_probe(x_train, y_train, x_test, y[:300], 4, 1e-2)
+    assert cert["W"].shape == (4, 40) and cert["b"].shape == (4,)
+    b, again = probe.linear_probe(x_train, y_train, x_test, y[:300], 4, 1e-2,
+                                  init=(cert["W"], cert["b"]))
+    assert again["iterations"] <= 1 and torch.equal(a, b), again
+    g = torch.Generator().manual_seed(9)
+    far = (torch.randn(4, 40, generator=g), torch.randn(4, generator=g))
+    assert torch.equal(_probe_predictions(x_train, y_train, x_test, 4, 1e-2),
+                       _probe_predictions(x_train, y_train, x_test, 4, 1e-2, init=far))
+
+
+@exercise("linear_probe")
 def test_probe_linear_probe_is_blind_to_per_feature_scale_and_shift():
     """Features rescaled each by its own positive factor over e^±4 and shifted: every test
     prediction unchanged (the probe standardises before anything else)."""
@@ -3690,20 +3708,24 @@ def test_probe_linear_probe_learns_separable_task_and_random_labels_are_chance()
 
 
 def test_probe_tuned_probe_chooses_its_l2_on_the_validation_fifth(monkeypatch):
-    """The L2 of best accuracy on the training split's last fifth, fitted on the rest (a tie:
-    the stronger); then the whole training split at that L2. The test labels choose nothing."""
+    """The L2 of best accuracy on the training split's last fifth, fitted on the rest from the
+    strongest L2 down, each solve started from the last one's answer (a tie: the stronger);
+    then the whole training split at that L2, from its answer. The test labels choose nothing."""
     monkeypatch.setattr(probe, "L2_GRID", (1e-3, 1e-1, 10.0))
     calls = []
 
-    def stand_in(x_train, y_train, x_test, y_test, n_classes, l2, R=None):
-        calls.append((len(x_train), len(x_test), l2, R))
+    def stand_in(x_train, y_train, x_test, y_test, n_classes, l2, R=None, init=None):
+        calls.append((len(x_train), len(x_test), l2, R, init))
         right = {1e-3: 3, 1e-1: 5, 10.0: 5}[l2] if len(x_test) == 10 else 2
-        return torch.arange(len(x_test)) < right, {"grad_max": l2 * 1e-7, "iterations": 7}
+        return torch.arange(len(x_test)) < right, {"grad_max": l2 * 1e-7, "iterations": 7,
+                                                   "W": f"W{l2}", "b": f"b{l2}"}
     monkeypatch.setattr(probe, "linear_probe", stand_in)
     x, y = torch.randn(50, 6), torch.zeros(50, dtype=torch.long)
     correct, info = probe.tuned_probe(x, y, torch.randn(4, 6), y[:4], 2, seed=0)
-    assert [c[:3] for c in calls] == [(40, 10, 1e-3), (40, 10, 1e-1), (40, 10, 10.0),
+    assert [c[:3] for c in calls] == [(40, 10, 10.0), (40, 10, 1e-1), (40, 10, 1e-3),
                                       (50, 4, 10.0)] and all(c[3] is None for c in calls)
+    assert [c[4] for c in calls] == [None, ("W10.0", "b10.0"), ("W0.1", "b0.1"),
+                                     ("W10.0", "b10.0")]
     assert info == {"l2": 10.0, "grad_max": 1e-6, "iterations": 7}
     assert correct.tolist() == [True, True, False, False]
     calls.clear()
