@@ -44,6 +44,7 @@ import train
 
 SENTENCE_SEED = 0            # the same masked sentences for every checkpoint of a run
 DRAW_SEED = 0                # the ỹ draws and the HVP probe vectors
+ROW_VERSION = 2              # rows of release 1 lack adaptive_trace and weight_norm
 GRAD_FLOATS_PER_CHUNK = 2**25  # ~128 MiB of float32 per-sample gradients per vmap chunk
 
 
@@ -459,8 +460,10 @@ def measure_checkpoint(path, args):
 
 
 def measured_settings(args):
-    """The settings a row records, by which a checkpoint measured already is skipped."""
-    return {"n_sentences": args.sentences, "n_samples": args.samples,
+    """The settings a row records, by which a checkpoint measured already is skipped; a row
+    without this release's `row_version` (one with no adaptive trace or weight norm) is not
+    one of them, so its checkpoint is measured again."""
+    return {"row_version": ROW_VERSION, "n_sentences": args.sentences, "n_samples": args.samples,
             "n_repeats": args.repeats, "device": args.device,
             **({"fisher_gap_probes": args.fisher_gap,       # HVPs on at most --sentences
                 "hvp_sentences": min(args.hvp_sentences, args.sentences)}

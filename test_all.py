@@ -5455,6 +5455,25 @@ def test_bad_input_an_append_after_a_cut_last_line_starts_a_fresh_line(tmp_path,
     assert [r["step"] for r in data.read_rows(path)] == [1, 3]
 
 
+def test_bad_input_a_hessian_row_of_an_earlier_release_is_measured_again(tmp_path):
+    """A row with the same settings but no row_version (no adaptive trace, no weight norm) does
+    not count as measured: the checkpoint gets a row of this release's."""
+    train.train(train.parse_args(_train_args(tmp_path, "--steps", 1, "--ckpt-every", 1,
+                                             name="old")))
+    path = train.list_checkpoints(str(tmp_path / "old"))[-1]
+    argv = [path, "--sentences", "8", "--samples", "2", "--repeats", "2"]
+    hessian.main(argv)
+    rows = tmp_path / "old" / "hessian.jsonl"
+    row = json.loads(rows.read_text())
+    old = {k: v for k, v in row.items() if k not in ("row_version", "adaptive_trace",
+                                                     "weight_norm", "weight_norms")}
+    rows.write_text(json.dumps(old) + "\n")
+    hessian.main(argv)
+    last = data.read_rows(str(rows))[-1]
+    assert len(data.read_rows(str(rows))) == 2 and last["row_version"] == hessian.ROW_VERSION
+    assert "adaptive_trace" in last and "weight_norm" in last
+
+
 def test_bad_input_an_append_after_a_whole_last_row_without_its_newline_keeps_it(tmp_path):
     """A last row that parses but lacks its newline (an edit by hand) is a row, not a cut one:
     the append keeps it, with the one-row file as the sharpest case."""
