@@ -73,7 +73,8 @@ def bench(path, task, n_train, n_test, seeds):
     head, accs = [], []
     for s in range(seeds):
         t = time.perf_counter()
-        accs.append(probe.linear_probe(x, y, x_te, y_te, n_classes, seed=s).float().mean().item())
+        accs.append(probe.adamw_probe(x, y, x_te, y_te, n_classes, seed=s)[0].float().mean()
+                    .item())
         head.append(time.perf_counter() - t)
     # baseline: encoder inside each epoch (2 epochs timed, x50 to 100 epochs)
     g = torch.Generator().manual_seed(0)

@@ -186,7 +186,7 @@ for s in $SEEDS; do
       > "$OUT/hessian-s$s.log" 2>&1 &
     for p in "${PROBES[@]}"; do
       timeout "$(left)" python probe.py $need --task A --n-test 4000 --seeds 3 \
-        --no-projection $p --device "$DEVICE" >> "$OUT/probe-s$s.log" 2>&1
+        --probe adamw $p --device "$DEVICE" >> "$OUT/probe-s$s.log" 2>&1
     done
     wait
   ) &

@@ -1,4 +1,4 @@
-"""The linear probe's protocol at a same-loss pair (paper App. A.4; §4's paired comparison): for
+"""The record's probe's protocol (probe.adamw_probe) at a same-loss pair (App. A.4; §4): for
 each number of training sentences, each number of epochs and each width (the 512-d projection or
 none), the root's test accuracy of both checkpoints on the same test sentences, their paired
 difference with its test-set se (probe.paired_difference), the probe's accuracy on its own
@@ -55,11 +55,11 @@ def main():
             for name in ("A", "B"):
                 (x, x_t), (y, y_t) = feats[name], labels
                 x, y = x[:n_train], y[:n_train]
-                correct[name] = sum(probe.linear_probe(x, y, x_t, y_t, n_classes, seed=s,
-                                                       proj_dim=proj, epochs=epochs).long()
+                correct[name] = sum(probe.adamw_probe(x, y, x_t, y_t, n_classes, seed=s,
+                                                      proj_dim=proj, epochs=epochs)[0].long()
                                     for s in range(args.seeds))
-                fit[name] = probe.linear_probe(x, y, x, y, n_classes, seed=0, proj_dim=proj,
-                                               epochs=epochs).float().mean().item()
+                fit[name] = probe.adamw_probe(x, y, x, y, n_classes, seed=0, proj_dim=proj,
+                                              epochs=epochs)[0].float().mean().item()
             (diff,), (se,), _, _ = probe.paired_difference([correct["A"].tolist()],
                                                            [correct["B"].tolist()], args.seeds)
             acc = {k: c.float().mean().item() / args.seeds for k, c in correct.items()}

@@ -33,7 +33,7 @@ def span_rows(checkpoints, spec, start, width, args):
                                   for t, n in ((tok, lengths), (tok_test, lengths_test))))
     majority = y_test.bincount(minlength=n_classes).max().item() / len(y_test)
     for epochs in args.epochs:
-        accs = [probe.linear_probe(x, y, x_test, y_test, n_classes, seed=0, epochs=epochs)
+        accs = [probe.adamw_probe(x, y, x_test, y_test, n_classes, seed=0, epochs=epochs)[0]
                 .float().mean().item() for x, x_test in features]
         yield epochs, majority, accs[0], accs[1:]
 
