@@ -270,12 +270,12 @@ def finetune(model, train_split, test_split, n_classes, seed, lr=3e-3, at=(160,)
     FT_CLIP, one reshuffle of the training split per pass. `model` is
     unchanged; the global RNG (dropout's) is restored at the end."""
     (tok, lengths, y), (tok_test, lengths_test, y_test) = train_split, test_split
-    width = max(tok.shape[1], tok_test.shape[1])  # one head for both splits: width·d inputs
+    T = max(tok.shape[1], tok_test.shape[1])  # one head for both splits: T·d inputs
     g = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         net = copy.deepcopy(model).to(device).train()
-        wide = width * net.features(tok[:1].to(device)).shape[-1]
+        wide = T * net.features(tok[:1].to(device)).shape[-1]
         R = probe_map(wide, width, seed)
         R = (torch.eye(wide) if R is None else R.float()).to(device)
         head = torch.nn.Linear(R.shape[1], n_classes).to(device)
@@ -288,7 +288,7 @@ def finetune(model, train_split, test_split, n_classes, seed, lr=3e-3, at=(160,)
                            for _ in range(math.ceil(at[-1] * batch_size / len(tok)))])
         for step in range(at[-1]):
             idx = order[step * batch_size:(step + 1) * batch_size]
-            x = concat_features(net, tok[idx], lengths[idx], width, device) @ R
+            x = concat_features(net, tok[idx], lengths[idx], T, device) @ R
             loss = F.cross_entropy(head(x), y[idx].to(device))
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -297,7 +297,7 @@ def finetune(model, train_split, test_split, n_classes, seed, lr=3e-3, at=(160,)
             sched.step()
             if step + 1 in at:
                 with torch.no_grad():
-                    x_test = concat_features(net.eval(), tok_test, lengths_test, width, device)
+                    x_test = concat_features(net.eval(), tok_test, lengths_test, T, device)
                     yield step + 1, head(x_test @ R).argmax(1).eq(y_test.to(device)).cpu()
                 net.train()
 

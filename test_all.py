@@ -4382,6 +4382,22 @@ def test_probe_finetune_learns_first_token_task():
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())  # model untouched
 
 
+@pytest.mark.parametrize("width", [None, 4])
+def test_probe_finetune_head_reads_the_width_asked_for(monkeypatch, width):
+    """The head's map is probe_map(T·d, width, seed): the whole width where none is given (the
+    sentence length is not a width)."""
+    calls, real = [], probe.probe_map
+    monkeypatch.setattr(probe, "probe_map", lambda *a: calls.append(a) or real(*a))
+    tok = torch.randint(0, 6, (40, 5), generator=torch.Generator().manual_seed(0))
+    split = (tok, torch.full((40,), 5), tok[:, 0] % 2)
+    cfg = model.config_from_preset("tf-2m", vocab_size=6 + data.N_SPECIAL, pad_id=data.pad_id(6),
+                                   max_len=5, n_layers=1)
+    net = model.build(cfg)
+    list(probe.finetune(net, split, split, 2, seed=3, at=(1,), width=width, warmup=1))
+    d = net.features(tok[:1]).shape[-1]
+    assert calls == [(5 * d, width, 3)], calls
+
+
 def test_probe_sample_efficiency_is_the_area_under_the_curve_on_log_n():
     """curve: the probe on the first 10, 20, ..., 320 training sentences (6 points), weighted
     1/2, 1, 1, 1, 1, 1/2 over 5 unit steps of log2 n, per test sentence; the smallest needs a
