@@ -5542,6 +5542,12 @@ def test_bad_input_a_checkpoint_claimed_by_a_live_process_is_skipped(tmp_path, c
         f.write(gone)                                             # ended: stale
     probe.main([path, *_PROBE_CLI_SMALL])
     assert len(data.read_rows(str(tmp_path / "probe.jsonl"))) == 1 and not os.path.exists(claim)
+    for left in ("", "0"):                   # empty, or os.kill(0)'s "my own group": not alive
+        with open(claim, "w") as f:
+            f.write(left)
+        assert train.claim_file(claim) and open(claim).read() == str(os.getpid())
+        os.unlink(claim)
+    assert sorted(os.listdir(tmp_path)) == sorted(["probe.jsonl", os.path.basename(path)])
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write a read-only file")

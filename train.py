@@ -667,26 +667,33 @@ def measure_checkpoints(paths, rows, settings_of, measure, written, shown=lambda
 
 
 def claim_file(path):
-    """Create `path` holding this process's id, atomically: False if a live process holds it (a
-    claim left by a process that no longer runs is taken over)."""
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
+    """Create `path` holding this process's id, atomically and never empty (written aside, then
+    linked): False if a live process holds it (a claim left by a process that no longer runs,
+    however it ended, is taken over)."""
+    aside = f"{path}.{os.getpid()}"
+    with open(aside, "w") as f:
+        f.write(str(os.getpid()))
+    try:
+        for _ in range(2):
             try:
-                with open(path) as f:
-                    os.kill(int(f.read() or 0), 0)          # raises if no such process
-                return False
-            except (ProcessLookupError, ValueError):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)                         # stale: its process is gone
-                continue
-            except PermissionError:                         # alive, another user's
-                return False
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
-        return True
-    return False
+                os.link(aside, path)
+                return True
+            except FileExistsError:
+                try:
+                    with open(path) as f:
+                        pid = int(f.read())
+                    if pid <= 0:                            # os.kill(0) would signal our group
+                        raise ValueError(pid)
+                    os.kill(pid, 0)                         # raises if no such process
+                    return False
+                except (ProcessLookupError, ValueError, FileNotFoundError):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)                     # stale: its process is gone
+                except PermissionError:                     # alive, another user's
+                    return False
+        return False
+    finally:
+        os.unlink(aside)
 
 
 def measured_so_far(written, verb, rows):
