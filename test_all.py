@@ -33,6 +33,7 @@ import math
 import os
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -5338,12 +5339,79 @@ def test_handout_reads_a_script_as_python_does(tmp_path):
         handout.python_source(b"x = '\xff\xfe\x96'\n", "data.py")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "data (1).py").write_text("x = 1\n")
-    said = handout.take_submitted(str(tmp_path / "sub"), "data.py", str(tmp_path), "x = 1\n")
+    said = handout.take_submitted(str(tmp_path / "sub"), "data.py", str(tmp_path))
     assert said == "was not submitted (submitted instead: data (1).py)"
     (tmp_path / "sub" / "data.py").write_bytes(latin)
-    assert handout.take_submitted(str(tmp_path / "sub"), "data.py", str(tmp_path),
-                                  "name = 1\n") is None
+    assert handout.take_submitted(str(tmp_path / "sub"), "data.py", str(tmp_path)) is None
     assert (tmp_path / "data.py").read_bytes() == latin             # graded as submitted
+
+
+def _grading_replay():
+    spec = importlib.util.spec_from_file_location("grading_replay", Path(__file__).parent /
+                                                  ".ci" / "grading_replay.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _through_a_file(value):
+    """`value` saved and read back as the grader reads a recording: data only."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def test_handout_replay_carries_values_and_gradients_as_data():
+    """A recording is data that torch.load(weights_only=True) reads back as the same values (a
+    model too); a replayed call returns it and passes back the gradient the real function's
+    autograd gave (sin x · w: w cos x); a call with other inputs is refused."""
+    replay = _grading_replay()
+    net = _model_randomise(model.build(_model_config("transformer", "pre")), seed=3).eval()
+    value = (torch.arange(3.0).requires_grad_(), {"a": [1, 2.5, None, "s"]}, np.float64(0.5),
+             torch.empty(2, 3, device="meta"), net)
+    x, nested, scalar, meta, back = replay._decode(_through_a_file(replay._encode(value)))
+    assert torch.equal(x, value[0]) and x.requires_grad and nested == value[1]
+    assert type(scalar) is np.float64 and scalar == 0.5 and meta.device.type == "meta"
+    assert type(back) is type(net) and not back.training and back.config == net.config
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(),
+                                                  net.state_dict().values()))
+
+    def f(x, w):
+        return (x.sin() * w).sum()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, dtype=torch.float64, generator=g).requires_grad_()
+    w = torch.randn(5, dtype=torch.float64, generator=g)
+    replay._calls = []
+    out = replay._recording("f", f)(x, w)
+    out.backward()
+    torch.testing.assert_close(x.grad, w * x.detach().cos(), rtol=0, atol=1e-15)
+    want, x.grad = x.grad.clone(), None
+    calls = _through_a_file(replay._calls)
+    replay._calls, replay._next = calls, 0
+    got = replay._replaying("f", f)(x, w)
+    assert got.item() == out.item()
+    got.backward()
+    assert torch.equal(x.grad, want)
+    replay._calls, replay._next = calls, 0
+    with pytest.raises(replay.ReplayError, match="other inputs"):
+        replay._replaying("f", f)(x, w + 1)
+
+
+def test_handout_autograder_outcomes_come_from_the_replay(tmp_path):
+    """A student's process that reports every test passed (pytest's report patched) gets no
+    point for its blank partial_r2, and its right lower_bound passes: with a copy as handed out
+    beside it, outcomes are decided there, from the student's recorded outputs."""
+    handout = _handout()
+    trusted, student = tmp_path / "handed-out", tmp_path / "student"
+    handout.write_handout(str(trusted), ["partial_r2", "lower_bound"])
+    shutil.copytree(trusted, student)
+    shutil.copy(Path(__file__).parent / "dyck_theory.py", student / "dyck_theory.py")
+    forge = "\nimport _pytest.reports\n_pytest.reports.TestReport.passed = property(lambda s: 1)\n"
+    (student / "probe.py").write_text((trusted / "probe.py").read_text() + forge)
+    rows = handout.grade(str(student), ["partial_r2", "lower_bound"],
+                         exercises=handout.find_exercises(str(trusted)), trusted=str(trusted))
+    assert [r[:2] for r in rows] == [("partial_r2", "blank"), ("lower_bound", "passed")], rows
 
 
 # --------------------------------------------------- faults: full disks, signals, resumes, specs

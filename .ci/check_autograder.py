@@ -14,25 +14,28 @@ score, max_score 1, visibility and words of its output):
              dyck_theory.py and without model.py (which      score 0 and say why, the others
              train.py and hessian.py import); no results/    pass; results/ is made
   classroom  the solutions, edited as a class does: data.py  data.py's, model.py's and
-             saved with a byte order mark and without its    train.py's pass; lr_schedule
-             exercise markers; model.py in latin-1 with its  fails, naming its test, line and
-             coding line (PEP 263); train.py with mlm_loss's assertion;
-             raise left as a comment and lr_schedule         hessian.py's and dyck_theory.py's
-             wrong; hessian.py importing a helper module     score 0, naming file and line;
-             (submitted); dyck_theory.py with a line that    partial_r2 scores 0 (the time
-             fails at import; probe.py's partial_r2 stuck    limit), the rest of probe.py's
-             in compiled code                                pass; all in Gradescope's time
+             saved with a byte order mark, without its       train.py's pass; lr_schedule
+             exercise markers and with an unused import      fails, naming its test, line and
+             time; model.py in latin-1 with its coding line  assertion; hessian.py's and
+             (PEP 263) and an import pdb; train.py with      dyck_theory.py's score 0, naming
+             mlm_loss's raise left as a comment and          file and line; partial_r2 scores
+             lr_schedule wrong; hessian.py importing a       0 (the time limit), the rest of
+             helper module (submitted); dyck_theory.py with  probe.py's pass; all in
+             a line that fails at import; probe.py's         Gradescope's time
+             partial_r2 stuck in compiled code
   nothing    the student copy, every exercise returning    every exercise 0
              None: no work
   hostile    the student copy, with: data.py patching the    its true score: train.py's,
-             grading plugin; the solutions of train.py,      hessian.py's and probe.py's
-             hessian.py and probe.py, with train.py writing  exercises pass, the others 0;
-             a forged results.json, a forged run of the      results.json is still the
-             plugin's (every test collected and passed) on   grader's seconds later, and no
-             every pipe, and killing the grader;             process of the student's user
-             hessian.py leaving a daemon that rewrites       is left
-             results.json; probe.py one that holds the
-             pipes
+             grading plugin and pytest's reports (every      hessian.py's and probe.py's
+             test passes), its exercises' recordings         exercises pass, the others 0;
+             replaced by a pickle that runs code when        results.json is still the
+             loaded; the solutions of train.py, hessian.py   grader's seconds later; no
+             and probe.py, with train.py writing a forged    process of the student's user
+             results.json, a forged run of the plugin's      is left and the pickle's code
+             (every test collected and passed) on every      never ran
+             pipe, and killing the grader; hessian.py
+             leaving a daemon that rewrites results.json;
+             probe.py one that holds the pipes
 The hostile submission needs root (the student's code runs as another user): without root this
 check says so and skips that submission only. As root it makes the student's user as setup.sh
 does, and, where that user cannot reach this Python (a folder on its path closed to others),
@@ -236,7 +239,8 @@ def classroom_submission(submission, exercises, names):
     with open(model_py, encoding="utf-8") as f:
         text = f.read()
     with open(model_py, "wb") as f:
-        f.write(("# -*- coding: latin-1 -*-\n" + text + "# G\u00f6del\n").encode("latin-1"))
+        f.write(("# -*- coding: latin-1 -*-\nimport pdb  # noqa\n" + text + "# G\u00f6del\n")
+                .encode("latin-1"))
 
     at, indent = region_start(exercises, "mlm_loss")
     edit(os.path.join(submission, "train.py"), lambda lines: lines[:at] + [
@@ -266,8 +270,10 @@ def classroom_submission(submission, exercises, names):
     edit(os.path.join(submission, "probe.py"), lambda lines: lines[:at3] + [
         f"{indent3}sum(range(10 ** 15))                # compiled code: no signal stops it"]
         + lines[at3:])
+    edit(data, lambda lines: ["import time  # left from timing it"] + lines)
     expected = expected_with(exercises, names, {
-        "hessian.py": f"hessian.py imports helpers (line {helper_line[0]})",
+        "hessian.py": (f"hessian.py fails when imported (line {helper_line[0]}: "
+                       f"ModuleNotFoundError", "only the six scripts are graded"),
         "dyck_theory.py": (f"dyck_theory.py fails when imported (line {stray[0]}: NameError",
                            "undefined_name")})
     expected["lr_schedule"] = (None, ("failed", "test_train_", "test_all.py:", "assert"))
@@ -288,14 +294,37 @@ def nothing_submission(submission, exercises, names):
 
 
 HOSTILE = {
-    # the grading plugin patched from the student's module (pytest's report, the plugin's send)
+    # the grading plugin patched from the student's module (pytest's report, the plugin's send);
+    # its exercises' recordings replaced by a pickle that runs code when loaded in full
     "data.py": """
+import os
+import pickle
 import sys
 for _module in list(sys.modules.values()):
     if hasattr(_module, "_send"):
         _module._send = lambda **row: None
 import _pytest.reports
 _pytest.reports.TestReport.passed = property(lambda self: True)
+
+
+class _Run:
+    def __reduce__(self):
+        return (os.mkdir, (RESULTS + ".pwned",))
+
+
+_save = torch.save
+
+
+def _forged_save(obj, f, *args, **kwargs):
+    if isinstance(obj, list) and any(isinstance(c, dict) and c.get("exercise") in MINE
+                                     for c in obj):
+        with open(f, "wb") as out:
+            pickle.dump([{"exercise": _Run()}], out)
+        return None
+    return _save(obj, f, *args, **kwargs)
+
+
+torch.save = _forged_save
 """,
     # a forged results.json; on every pipe, a forged run of the grading plugin's: every test
     # collected, passed, and pytest done; then the grader killed
@@ -373,15 +402,12 @@ def hostile_submission(submission, exercises, names, results):
             with open(os.path.join(handout.ROOT, script), encoding="utf-8") as f:
                 text = f.read()
         if script in HOSTILE:
-            text += f"\n\nRESULTS = {results!r}\n" + HOSTILE[script]
-        if script == "data.py":
-            line = 1 + next(i for i, text_line in enumerate(text.split("\n"))
-                            if "sys.modules" in text_line)
+            mine = sorted(n for n in names if exercises[n]["file"] == script)
+            text += f"\n\nRESULTS = {results!r}\nMINE = {mine!r}\n" + HOSTILE[script]
         with open(os.path.join(submission, script), "w", encoding="utf-8") as f:
             f.write(text)
     passing = [n for n in names if exercises[n]["file"] in ("train.py", "hessian.py", "probe.py")]
-    return expected_with(exercises, names, {
-        "data.py": f"data.py uses sys.modules (line {line})"}, passing)
+    return expected_with(exercises, names, {}, passing)
 
 
 def make_unwritable(results, case):
@@ -574,6 +600,8 @@ def main():
             if seconds > handout.GRADESCOPE_LIMIT - 60:
                 found.append(f"{name}: graded in {seconds:.0f} s, too near Gradescope's "
                              f"{handout.GRADESCOPE_LIMIT} s")
+            if os.path.exists(os.path.join(root, "results", "results.json.pwned")):
+                found.append(f"{name}: the grader ran code from a recording")
             if ROOT_USER:
                 time.sleep(2)                   # a daemon left would rewrite results.json now
                 found += check_results(root, expected, f"{name}, 2 s later")

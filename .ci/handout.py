@@ -36,10 +36,11 @@ out, each once): setup.sh makes a venv of its own with requirements.txt (torch a
 build, numpy and pytest at the versions of this Python) and the user the student's code runs
 as; run_autograder grades each submission, its six scripts over project/, the student copy of
 those exercises (it holds none of their solutions), as --grade does, within Gradescope's
-default 10 minutes, the student's code in processes of that user (autograde says what that
-guarantees). A script missing from the submission, one that Python cannot compile, one that
-the screen refuses (screen) or one that fails when imported is graded as handed out: its
-exercises score 0 and say why (file and line), the other files' exercises are graded. Every
+default 10 minutes, the student's code in processes of that user, every test's outcome
+decided in a process that never runs it (autograde says what that guarantees). A script
+missing from the submission, one that Python cannot compile or one that fails when imported is
+graded as handed out: its exercises score 0 and say why (file and line), the other files'
+exercises are graded. Every
 file is written whole (beside it, then renamed) or not at all. Standard library only (pytest
 runs in a subprocess).
 """
@@ -74,7 +75,8 @@ LINKED = tuple(sorted(f"{d}/{f}" for d in (".bench", ".assets")
                       for f in (os.listdir(os.path.join(ROOT, d))
                                 if os.path.isdir(os.path.join(ROOT, d)) else [])
                       if os.path.isfile(os.path.join(ROOT, d, f))))     # no __pycache__/
-COPIED = SCRIPTS + ("test_all.py", "README.md", "requirements.txt", ".ci/handout.py") + LINKED
+COPIED = SCRIPTS + ("test_all.py", "README.md", "requirements.txt", ".ci/handout.py",
+                    ".ci/grading_replay.py") + LINKED
 BEGIN = re.compile(r"^(\s*)# BEGIN EXERCISE (\S+)(?: requires((?: \S+)+))?\s*$")
 END = re.compile(r"^(\s*)# END EXERCISE (\S+)\s*$")
 NAME = re.compile(r"^[A-Za-z0-9_]+$")
@@ -423,8 +425,10 @@ def _tail(path, n=2000):
         return ""
 
 
-def run_child(runner, folder, args, work, limit, deadline, spent, known, skip, skip_exercises):
-    """Run `pytest test_all.py ARGS` once in `folder` as the runner says, and follow its
+def run_child(runner, folder, args, work, limit, deadline, spent, known, skip, skip_exercises,
+              replay_env):
+    """Run `pytest test_all.py ARGS` once in `folder` as the runner says (with the record or
+    replay plugin and its environment `replay_env`, if any), and follow its
     signed reports: (how it ended, the test it was in, its exit code, its output's tail), with
     the reports added to `known` ({"tests": ..., "results": ...}) and the seconds the tests took
     to `spent` ({exercise: seconds}). It ends "done" (pytest said so, or exited), "crashed"
@@ -439,11 +443,12 @@ def run_child(runner, folder, args, work, limit, deadline, spent, known, skip, s
     os.close(key_w)
     env = {"PYTHONPATH": os.path.join(work, "plugin"), "GRADER_REPORT_FD": str(report_w),
            "GRADER_KEY_FD": str(key_r), "GRADER_SKIP": json.dumps(sorted(skip)),
-           "GRADER_SKIP_EXERCISES": json.dumps(sorted(skip_exercises))}
+           "GRADER_SKIP_EXERCISES": json.dumps(sorted(skip_exercises)), **replay_env}
     # --tb=native: pytest's own tracebacks parse test_all.py again for each failing test, half
     # a second each, half a minute for a blank copy
     argv = [runner.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=native",
-            "-o", "verbosity_assertions=2", "-p", "grading_plugin", "test_all.py", *args]
+            "-o", "verbosity_assertions=2", "-p", "grading_plugin",
+            *(["-p", "grading_replay"] if replay_env else []), "test_all.py", *args]
     try:
         proc = runner.start(argv, folder, home, (report_w, key_r), env)
     finally:
@@ -517,7 +522,7 @@ def _verified(key, line):
     return row if isinstance(row, dict) else None
 
 
-def run_tests(folder, args, limit=TIME_LIMIT, timeout=None, runner=None):
+def run_tests(folder, args, limit=TIME_LIMIT, timeout=None, runner=None, replay_env=None):
     """Run `pytest test_all.py ARGS` in `folder`, each exercise's tests held together to `limit`
     seconds and all to `timeout` (default: 20 limits and 10 minutes): a dict of
     tests ({test name: [its exercises, its docstring's first line]}), results ({test name:
@@ -525,22 +530,27 @@ def run_tests(folder, args, limit=TIME_LIMIT, timeout=None, runner=None):
     teardown; or the collection's) or skipped), code (pytest's exit code; None if stopped at
     `timeout`) and out (the output's tail). A test whose exercises run out of time, or during
     which the process ends, fails saying so, and pytest runs again for the tests left, so that
-    it costs its exercise (or itself) only. `runner`: a Runner (default: as this user)."""
+    it costs its exercise (or itself) only; those failures, the grader's own, are also in
+    "observed". `runner`: a Runner (default: as this user). `replay_env`: record_and_replay's."""
     runner = runner or Runner()
     timeout = 20 * limit + 600 if timeout is None else timeout
     deadline = time.monotonic() + timeout
-    known, spent, out_of_time = {"tests": {}, "results": {}}, {}, set()
+    known, spent, out_of_time, observed = {"tests": {}, "results": {}}, {}, set(), {}
     with tempfile.TemporaryDirectory(prefix="grading-") as work:
         os.chmod(work, 0o755)
         os.makedirs(os.path.join(work, "plugin"))
         with open(os.path.join(work, "plugin", "grading_plugin.py"), "w") as f:
             f.write(PLUGIN)
+        shutil.copyfile(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                     "grading_replay.py"),
+                        os.path.join(work, "plugin", "grading_replay.py"))
         os.chmod(os.path.join(work, "plugin"), 0o755)
-        os.chmod(os.path.join(work, "plugin", "grading_plugin.py"), 0o644)
+        for plugin in ("grading_plugin.py", "grading_replay.py"):
+            os.chmod(os.path.join(work, "plugin", plugin), 0o644)
         while True:
             ended, current, code, out = run_child(runner, folder, args, work, limit, deadline,
                                                   spent, known, set(known["results"]),
-                                                  out_of_time)
+                                                  out_of_time, replay_env or {})
             results = known["results"]
             if ended in ("deadline", "stuck"):
                 code = None
@@ -549,20 +559,49 @@ def run_tests(folder, args, limit=TIME_LIMIT, timeout=None, runner=None):
                 of = known["tests"].get(current, [[]])[0]
                 out_of_time |= set(of)
                 what = f"the tests of {', '.join(of)}" if of else "the test"
-                results[current] = ("failure", f"{what} ran past the grader's time limit of "
-                                    f"{limit:g} s (a loop that never ends?)", "")
+                results[current] = observed[current] = (
+                    "failure", f"{what} ran past the grader's time limit of {limit:g} s (a loop "
+                    f"that never ends?)", "")
                 for test, (exercises, _) in known["tests"].items():
                     if test not in results and set(exercises) & out_of_time:
-                        results[test] = ("failure", f"not run: {what} used up the grader's "
-                                         f"time limit of {limit:g} s", "")
+                        results[test] = observed[test] = (
+                            "failure", f"not run: {what} used up the grader's time limit of "
+                            f"{limit:g} s", "")
             elif ended == "crashed":
                 results.setdefault(current, ("error", f"the test process ended during this "
                                              f"test (exit code {code})", ""))
+                observed.setdefault(current, results[current])
             else:
                 break
             if all(test in results for test in known["tests"]):
                 break
-    return dict(known, code=code, out=out)
+    return dict(known, code=code, out=out, observed=observed)
+
+
+REPLAY_SHARE = 0.25   # of the time left, kept for the replay (it runs the tests, not the exercises)
+
+
+def record_and_replay(folder, trusted, args, exercises, names, limit, timeout, runner):
+    """run_tests's dict for the tests ARGS, decided without trusting the student's process: the
+    tests run in `folder` (the student's scripts) as `runner` with the exercises `names`
+    recorded (.ci/grading_replay.py), then again in `trusted` (the scripts as handed out) as
+    this process's user, those exercises replaced by the recording, and only that run's
+    outcomes count, beside what the grader itself saw in the first (a time limit, a crash).
+    Its "record" is the first run's dict."""
+    start = time.monotonic()
+    functions = {n: [exercises[n]["file"][:-3], exercises[n]["function"]] for n in names}
+    env = {"GRADER_FUNCTIONS": json.dumps(functions)}
+    with tempfile.TemporaryDirectory(prefix="recorded-") as calls:
+        os.chmod(calls, 0o700)
+        if runner.uid is not None:
+            os.chown(calls, runner.uid, runner.gid)
+        record = run_tests(folder, args, limit, timeout * (1 - REPLAY_SHARE), runner,
+                           dict(env, GRADER_RECORD=calls))
+        left = max(1.0, timeout - (time.monotonic() - start))
+        replay = run_tests(trusted, args, limit, left, Runner(None, runner.python),
+                           dict(env, GRADER_REPLAY=calls))
+    replay["results"].update(record["observed"])
+    return dict(replay, record=record)
 
 
 def run_pytest(folder, args, tags=False, limit=TIME_LIMIT, timeout=None, runner=None):
@@ -582,7 +621,7 @@ def in_order(exercises, names):
 
 
 def grade(folder, names, exercises=None, limit=TIME_LIMIT, timeout=None, replaced=None,
-          runner=None):
+          runner=None, trusted=None):
     """[(exercise, "blank" | "passed" | "failed", tests passed, tests, why)] for the exercises
     `names` of the copy in `folder`. `exercises`: find_exercises's dict of the copy as handed
     out (default: the markers in `folder`). Blank: none of its tests passes and its function
@@ -591,7 +630,9 @@ def grade(folder, names, exercises=None, limit=TIME_LIMIT, timeout=None, replace
     all its tests pass. Why (failed): the first failing test, its docstring's first line, its
     assertion's line and message, or the required exercises left blank. `replaced`: {script:
     what is wrong with the student's} for the scripts graded as handed out (autograde): their
-    exercises fail, saying so, and are not run. `limit`, `timeout`, `runner`: run_tests's."""
+    exercises fail, saying so, and are not run. `limit`, `timeout`, `runner`: run_tests's.
+    `trusted`: a copy as handed out, where the outcomes are decided (record_and_replay); None:
+    in `folder`."""
     replaced = replaced or {}
     exercises = exercises if exercises is not None else find_exercises(folder)
     unknown = [n for n in names if n not in exercises]
@@ -600,12 +641,17 @@ def grade(folder, names, exercises=None, limit=TIME_LIMIT, timeout=None, replace
     names = in_order(exercises, names or exercises)
     run_names = [n for n in names if exercises[n]["file"] not in replaced]
     run = {"tests": {}, "results": {}, "code": 0, "out": ""}
-    if run_names:
-        run = run_tests(folder, ["-k", " or ".join(f"ex_{n}" for n in run_names)], limit=limit,
-                        timeout=timeout, runner=runner)
+    selected = ["-k", " or ".join(f"ex_{n}" for n in run_names)]
+    if run_names and trusted is None:
+        run = run_tests(folder, selected, limit=limit, timeout=timeout, runner=runner)
+    elif run_names:
+        run = record_and_replay(folder, trusted, selected, exercises, run_names, limit,
+                                20 * limit + 600 if timeout is None else timeout,
+                                runner or Runner())
     results, tests_of = run["results"], run["tests"]
-    if run_names and not any(set(of) & set(run_names) for of, _ in tests_of.values()):
-        why = nothing_ran(exercises, results, run["code"], run["out"])
+    first = run.get("record", run)                 # where the student's scripts were imported
+    if run_names and not any(set(of) & set(run_names) for of, _ in first["tests"].values()):
+        why = nothing_ran(exercises, first["results"], first["code"], first["out"])
         return [(n, "failed", 0, 0, why if n in run_names else
                  f"{exercises[n]['file']} {replaced[exercises[n]['file']]}: its exercises are "
                  f"not graded") for n in names]
@@ -791,96 +837,6 @@ def copy_to_grade(folder):
     return folder
 
 
-# What a submitted script may use beyond what its handed-out copy uses: the screen refuses the
-# ways Python offers a script to reach into the process it runs in (imports beyond the
-# handed-out ones, introspection, dunders, assigning to a module), so that the student's code
-# cannot change the test process's machinery (pytest, the grading plugin, the tests' module).
-# What other processes can do (fork, kill, write files) is left to the user it runs as and the
-# deadlines. It is a screen, not a sandbox (see autograde's docstring).
-IMPORTABLE = {"math", "cmath", "itertools", "functools", "collections", "operator", "heapq",
-              "bisect", "dataclasses", "typing", "statistics", "fractions", "decimal", "random",
-              "string", "re", "copy", "numbers", "enum", "abc", "numpy", "torch",
-              *(script[:-3] for script in SCRIPTS)}
-REFUSED_NAMES = {"eval", "exec", "compile", "__import__", "globals", "locals", "vars", "getattr",
-                 "setattr", "delattr", "breakpoint", "__builtins__", "__loader__", "__spec__"}
-REFUSED_ATTRIBUTES = {"_getframe", "settrace", "setprofile", "meta_path", "path_hooks",
-                      "f_back", "f_globals", "f_locals", "f_builtins", "f_code", "tb_frame",
-                      "gi_frame", "cr_frame", "ag_frame", "ctypeslib", "cpp_extension",
-                      "load_library", "library", "overrides", "attrgetter", "methodcaller",
-                      "sys", "os", "gc", "inspect", "builtins", "importlib", "ctypes", "pytest",
-                      "_pytest", "test_all"}
-KEPT_DUNDERS = {"__init__", "__name__", "__doc__", "__file__", "__len__", "__call__",
-                "__repr__", "__str__", "__post_init__", "__getitem__", "__iter__", "__next__"}
-
-
-def uses(text):
-    """[(line, what)] for each use in the script `text` that the screen looks at: imports,
-    refused names and attributes, dunder names, assignments to a module's attributes."""
-    tree = ast.parse(text)
-    modules = set()                     # names an import binds
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            modules |= {(a.asname or a.name).split(".")[0] for a in node.names}
-    copied = set()                      # vars(x) unpacked at once (**vars(x)): a copy, read only
-    for node in ast.walk(tree):
-        splats = ([v for k, v in zip(node.keys, node.values) if k is None]
-                  if isinstance(node, ast.Dict) else
-                  [k.value for k in node.keywords if k.arg is None]
-                  if isinstance(node, ast.Call) else [])
-        copied |= {id(v.func) for v in splats if isinstance(v, ast.Call)}
-    found = []
-    for node in ast.walk(tree):
-        line = getattr(node, "lineno", 0)
-        if isinstance(node, ast.Import):
-            found += [(line, f"import {a.name.split('.')[0]}") for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            found.append((line, f"import {'.' * node.level}{(node.module or '').split('.')[0]}"))
-        elif isinstance(node, ast.Name):
-            if node.id in REFUSED_NAMES and id(node) not in copied or \
-                    re.fullmatch(r"__\w+__", node.id) and node.id not in KEPT_DUNDERS:
-                found.append((line, node.id))
-        elif isinstance(node, ast.Attribute):
-            root = node.value
-            while isinstance(root, ast.Attribute):
-                root = root.value
-            module = isinstance(root, ast.Name) and root.id in modules
-            if node.attr in REFUSED_ATTRIBUTES or re.fullmatch(r"__\w+__", node.attr) \
-                    and node.attr not in KEPT_DUNDERS or module and node.attr.startswith("_"):
-                found.append((line, f".{node.attr}"))
-            elif node.attr == "modules" and (getattr(node.value, "id", "") == "sys" or
-                                             getattr(node.value, "attr", "") == "sys"):
-                found.append((line, "sys.modules"))
-            if module and isinstance(node.ctx, (ast.Store, ast.Del)):
-                found.append((line, f"{ast.unparse(node)} = (a module's attribute)"))
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            if re.fullmatch(r"__\w+__", node.name) and node.name not in KEPT_DUNDERS:
-                found.append((line, f"def {node.name}"))
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if re.fullmatch(r"__\w+__", node.value) and node.value not in KEPT_DUNDERS:
-                found.append((line, repr(node.value)))
-    return sorted(found)
-
-
-def screen(text, handed_out):
-    """None, or what the script `text` uses that the screen refuses and its handed-out copy's
-    text `handed_out` does not use (words that follow the file's name)."""
-    allowed = {what for _, what in uses(handed_out)}
-    for line, what in uses(text):
-        if what in allowed:
-            continue
-        if what.startswith("import "):
-            module = what.split()[1]
-            if module in IMPORTABLE:
-                continue
-            return (f"imports {module or '.'} (line {line}), which the grader does not have: "
-                    f"only the six scripts are graded, with what they import and a few of "
-                    f"Python's modules (math, itertools, collections, ...); put helper code "
-                    f"in the script itself")
-        return (f"uses {what} (line {line}), which the grader does not run: an exercise needs "
-                f"none of it")
-    return None
-
-
 # ----------------------------------------------------------------- Gradescope's autograder ---
 
 SETUP = """#!/usr/bin/env bash
@@ -988,10 +944,9 @@ def write_autograder(path, names):
     return names
 
 
-def take_submitted(submission, script, folder, handed_out):
-    """Copy the student's `script` from `submission` into `folder` if Python can compile it and
-    the screen passes it (what its handed-out copy, the text `handed_out`, does not use); else
-    leave the handed-out one there and return what is wrong (words that follow the file's
+def take_submitted(submission, script, folder):
+    """Copy the student's `script` from `submission` into `folder` if Python can compile it;
+    else leave the handed-out one there and return what is wrong (words that follow the file's
     name). It is looked for at the top of the submission, else in the folder nearest the top:
     a student may upload a whole folder. Read as Python reads it (PEP 263: a byte order mark or
     a coding line, else UTF-8)."""
@@ -1011,7 +966,6 @@ def take_submitted(submission, script, folder, handed_out):
             data = f.read()
         text = python_source(data, script)
         compile(text, script, "exec", dont_inherit=True)
-        wrong = screen(text, handed_out)
     except HandoutError:
         return "is not Python source text (not UTF-8, and no PEP 263 coding line says what)"
     except SyntaxError as e:
@@ -1021,8 +975,6 @@ def take_submitted(submission, script, folder, handed_out):
     except OSError as e:
         return ("is a link, not a file" if os.path.islink(found[0][1]) else
                 f"cannot be read ({e.strerror or e})")
-    if wrong:
-        return wrong
     with open(os.path.join(folder, script), "wb") as f:
         f.write(data)
     return None
@@ -1123,15 +1075,19 @@ def autograde(root, names):
     and the tests run in processes of their own, as the user STUDENT (when this runs as root, as
     on Gradescope), each in a session of its own, killed at its deadline with every process of
     that user; so the student's code cannot write the results, stop or slow this process past
-    the deadlines, or outlive the grading. This process reads the tests' outcomes from a pipe
-    on which only lines signed with a key, given to the plugin before the student's code is
-    imported, count; a failed import costs its script's exercises, a test that hangs or ends
-    the process its own exercise's; blank is decided by behaviour. Not guaranteed: the tests
-    run in the student's process, so code that reaches that process's memory (pytest, the
-    plugin and its key, the tests' module) can pass its own tests; the screen refuses each way
-    Python offers a script to do so (imports beyond the handed-out ones, introspection, dunder
-    attributes, assigning to modules), but it is a screen, not a sandbox: a submission that
-    gets around it is there to be read in the log."""
+    the deadlines, or outlive the grading. No test's outcome is taken from a process that ran
+    it (record_and_replay): the student's process only records what the exercises' functions
+    returned, as data; the tests run again in a process of this user on the scripts as handed
+    out, each exercise's function replaced by that recording, and their assertions decide.
+    Guaranteed: a test passes only if the recorded outputs of the exercises pass its assertions
+    on the test's own inputs, whatever the student's process did to itself (pytest, the
+    plugins, the tests' module): to forge a pass is to compute the right outputs. A failed
+    import costs its script's exercises, a test that hangs or ends the process its own
+    exercise's; blank is decided by behaviour. Not guaranteed: what the student's process
+    reports of the time it took and of where it stopped is believed (a submission can make
+    its other exercises' tests look slow or crashed, and lose their points: only its own);
+    and a result the recording cannot carry (an object of a class the tests do not know, a
+    gradient through an exercise's output taken twice) fails its test."""
     results = os.path.join(root, "results", "results.json")
     check_writable(results)
     start = time.monotonic()
@@ -1155,10 +1111,11 @@ def autograde(root, names):
             os.chmod(top, 0o755)
             for file in files:
                 os.chmod(os.path.join(top, file), 0o644)
+        trusted = os.path.join(tmp, "handed-out")       # where the outcomes are decided
+        shutil.copytree(project, trusted)
         replaced = {}
         for script in SCRIPTS:
-            wrong = take_submitted(os.path.join(root, "submission"), script, folder,
-                                   read_python(os.path.join(project, script)))
+            wrong = take_submitted(os.path.join(root, "submission"), script, folder)
             if wrong:
                 replaced[script] = wrong
         for _ in SCRIPTS:
@@ -1169,7 +1126,7 @@ def autograde(root, names):
             shutil.copyfile(os.path.join(project, broken[0]), os.path.join(folder, broken[0]))
         rows = grade(folder, names, exercises=handed_out, limit=limit,
                      timeout=max(1, deadline - time.monotonic()), replaced=replaced,
-                     runner=runner)
+                     runner=runner, trusted=trusted)
     notes += [f"{script} {wrong}: its exercises score 0; the other exercises were graded with "
               f"{script} as handed out" for script, wrong in replaced.items()]
     write_file(results, json.dumps(results_json(rows, notes), indent=1).encode())
