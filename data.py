@@ -972,7 +972,10 @@ def _not_data_file(path):
 
 def main(argv=None):
     """Command line (App. A.1): sample one language's sentences, task labels and spec."""
-    command("data.py", lambda: sample_to_file(argv), "--n or the language's size",
+    spec = [a for a in (argv if argv is not None else sys.argv[1:]) if a.endswith(".json")]
+    command("data.py", lambda: sample_to_file(argv),
+            f"--n or the size of the language in {spec[0]}" if spec else
+            "--n or the language's size",
             lambda: "nothing written (--out is written whole at the end); run it again")
 
 

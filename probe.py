@@ -590,14 +590,16 @@ def summary_table(run_dirs, min_step=0):
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise ValueError(f"{config} is not train.py's config.json") from None
             _check_same(seen, "config.json", name, language, config)
-        evals = {r["step"]: r for r in data.read_rows(os.path.join(run, "metrics.jsonl"))
-                 if "eval_loss" in r}
-        hess = {r["step"]: r for r in data.read_rows(os.path.join(run, "hessian.jsonl"))}
+        evals = {r["step"]: r for r in _numbers(os.path.join(run, "metrics.jsonl"),
+                                                METRIC_COLUMNS) if "eval_loss" in r}
+        hess = {r["step"]: r for r in _numbers(os.path.join(run, "hessian.jsonl"),
+                                               HESSIAN_COLUMNS)}
         for r in hess.values():
             _check_same(seen, "hessian.py settings", name,
                         {k: r.get(k) for k in HESSIAN_SETTINGS}, os.path.join(run, "hessian.jsonl"))
         probes = {}
-        for r in data.read_rows(os.path.join(run, "probe.jsonl"), ("step", "method", "task")):
+        for r in _numbers(os.path.join(run, "probe.jsonl"), ("acc", "acc_std"),
+                          ("step", "method", "task")):
             setting = setting_name(r)
             _check_same(seen, f"probe.py {setting} settings", name,
                         {k: r.get(k) for k in PROBE_SETTINGS}, os.path.join(run, "probe.jsonl"))
@@ -625,6 +627,18 @@ def summary_table(run_dirs, min_step=0):
     columns = (["run", "step"] + METRIC_COLUMNS + HESSIAN_COLUMNS
                + [f"{s}_{k}" for s in settings for k in ("acc", "acc_std")])
     return columns, [row for row, _ in rows]
+
+
+def _numbers(path, fields, needs=("step",)):
+    """data.read_rows(path, needs), refusing a row whose field in `fields` is there but is no
+    number (a string, a null): the summary would show it and leave it out of every fit."""
+    rows = data.read_rows(path, needs)
+    for r in rows:
+        for k in fields:
+            if k in r and (isinstance(r[k], bool) or not isinstance(r[k], (int, float))):
+                raise ValueError(f"{path}: the row at step {r['step']} has {k} {r[k]!r}, not a "
+                                 f"number: correct or delete that row")
+    return rows
 
 
 def _check_same(seen, what, run, settings, source):
@@ -737,16 +751,16 @@ def compare(table, setting, spec_a, spec_b):
                                           "includes 0: no effect detected"))
         lines.append(f"  mean over {len(diffs)} seeds: {mean:+.4f}{verdict}; "
                      f"{sum(d > 0 for d in diffs)}/{len(diffs)} seeds positive")
+        sides = [{r["seed"] for r in table if fnmatch.fnmatchcase(r["group"], pattern)
+                  and _finite(r.get(acc))} for pattern in (group, spec_b.rpartition("@")[0])]
+        alone = sorted(sides[0] ^ sides[1], key=str)
+        if alone:                           # per group: a glob's other groups hide none
+            lines.append(f"  left out: training seed(s) {', '.join(map(str, alone))}, probed "
+                         f"on one side only")
         if all(len(m[2]) > 1 for m in matches):
             next_best = paired_difference([counts(m[1]) for m in matches],
                                           [counts(m[2][1]) for m in matches], n_seeds)[2]
             lines.append(f"  with the next-best KL match instead: {next_best:+.4f}")
-    sides = [{r["seed"] for r in table if fnmatch.fnmatchcase(r["group"], spec.rpartition("@")[0])
-              and _finite(r.get(acc))} for spec in (spec_a, spec_b)]
-    alone = sorted(sides[0] ^ sides[1], key=str)
-    if alone:
-        lines.append(f"  left out: training seed(s) {', '.join(map(str, alone))}, probed on one "
-                     f"side only")
     if not spec_b.rpartition("@")[2].startswith("kl"):
         return lines, [p[:4] for p in pairs]
     # B@kl: same_loss_statistic over the matched pairs, and the direction of the unmatched ones

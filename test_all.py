@@ -4233,17 +4233,20 @@ def test_probe_compare_refuses_what_is_not_in_the_table(tmp_path, a, b, message)
     (["a", "c"], "c and a differ in probe.py linear_C settings (n_train 20 vs 10)"),
     (["a", "empty"], "empty is not a run directory (runs/NAME with metrics.jsonl)"),
     (["a", "unmeasured"], "has no hessian.jsonl or probe.jsonl rows"),
-    (["."], "it holds 8 runs: name them, e.g. "),
+    (["."], "it holds 10 runs: name them, e.g. "),
     (["reprobed"], "reprobed's rows differ in probe.py linear_C settings (n_train 20 vs 10)"
      ": not comparable; summarise them apart, or delete the rows of the other setting from "),
     (["nope"], "not a run directory"),
     (["a", "broken"], "probe.jsonl, line 2: not a JSON row"),
     (["a", "rowless"], "hessian.jsonl, line 1: not a row with step"),
     (["a", "noconfig"], "config.json is not train.py's config.json"),
+    (["a", "textacc"], "probe.jsonl: the row at step 1 has acc '0.5', not a number"),
+    (["a", "nulltrace"], "hessian.jsonl: the row at step 1 has trace None, not a number"),
 ])
 def test_probe_summary_refuses_mixed_or_bad_runs(tmp_path, names, message):
     """Runs a; b on another language; c probed with another n_train; empty: a folder with no
-    rows; nope: no folder; broken, rowless, noconfig: a damaged file."""
+    rows; nope: no folder; broken, rowless, noconfig: a damaged file; textacc, nulltrace: a
+    field that is no number (the summary would show it and leave it out of its fits)."""
     _probe_run_dir(tmp_path, "a", [1], [1.0], [0.5])
     _probe_run_dir(tmp_path, "b", [1], [1.0], [0.5], language="other")
     _probe_run_dir(tmp_path, "c", [1], [1.0], [0.5], n_train=20)
@@ -4260,6 +4263,10 @@ def test_probe_summary_refuses_mixed_or_bad_runs(tmp_path, names, message):
         "[1, 2]\n")
     (Path(_probe_run_dir(tmp_path, "noconfig", [1], [1.0], [0.5])) / "config.json").write_text(
         "{}")
+    for name, file, field, value in (("textacc", "probe.jsonl", "acc", "0.5"),
+                                     ("nulltrace", "hessian.jsonl", "trace", None)):
+        path = Path(_probe_run_dir(tmp_path, name, [1], [1.0], [0.5])) / file
+        path.write_text(json.dumps({**json.loads(path.read_text()), field: value}) + "\n")
     with pytest.raises(ValueError, match=re.escape(message)) as e:
         probe.summary_table([str(tmp_path / name) for name in names])
     if names[0] == ".":                  # a folder of runs: the message shows how to name them
@@ -5401,7 +5408,8 @@ def test_handout_replay_carries_values_and_gradients_as_data():
 def test_handout_autograder_outcomes_come_from_the_replay(tmp_path):
     """A student's process that reports every test passed (pytest's report patched) gets no
     point for its blank partial_r2, and its right lower_bound passes: with a copy as handed out
-    beside it, outcomes are decided there, from the student's recorded outputs."""
+    beside it, outcomes are decided there, from the student's recorded outputs. Graded where
+    it runs (--grade, a student's own check), the same forgery wins."""
     handout = _handout()
     trusted, student = tmp_path / "handed-out", tmp_path / "student"
     handout.write_handout(str(trusted), ["partial_r2", "lower_bound"])
@@ -5412,6 +5420,26 @@ def test_handout_autograder_outcomes_come_from_the_replay(tmp_path):
     rows = handout.grade(str(student), ["partial_r2", "lower_bound"],
                          exercises=handout.find_exercises(str(trusted)), trusted=str(trusted))
     assert [r[:2] for r in rows] == [("partial_r2", "blank"), ("lower_bound", "passed")], rows
+    rows = handout.grade(str(student), ["partial_r2"])    # the control: outcomes it reports
+    assert rows[0][1] == "passed", rows                     # itself, the forgery wins
+
+
+def test_handout_autograder_says_so_when_it_fails_itself(tmp_path, monkeypatch):
+    """The grader's own failure (a Python the student's user may not run, say) still writes
+    results.json: every exercise 0, saying the autograder failed, not the student's code; and
+    the error goes on to Gradescope's log."""
+    handout = _handout()
+    (tmp_path / "results").mkdir()
+
+    def fails(root, names):
+        raise PermissionError(13, "Permission denied", "/autograder/venv/bin/python")
+    monkeypatch.setattr(handout, "grade_submission", fails)
+    with pytest.raises(PermissionError):
+        handout.autograde(str(tmp_path), ["mask", "inside"])
+    said = json.loads((tmp_path / "results" / "results.json").read_text())
+    assert [(t["name"], t["score"]) for t in said["tests"]] == [("mask", 0.0), ("inside", 0.0)]
+    assert "the autograder itself failed (PermissionError" in said["tests"][0]["output"]
+    assert "tell your instructor" in said["output"]
 
 
 # --------------------------------------------------- faults: full disks, signals, resumes, specs
@@ -5725,6 +5753,10 @@ def test_bad_input_compare_says_which_seeds_were_left_out(tmp_path):
     lines, _ = probe.compare(table, "linear_C", "br-from1000@last", "run@kl")
     assert "  left out: training seed(s) 2, probed on one side only" in lines
     assert "mean over 2 seeds" in "\n".join(lines)
+    lines, _ = probe.compare(table, "linear_C", "br-*@last", "run@kl")   # per group of the glob
+    blocks = "\n".join(lines).split("paired comparison")[1:]
+    assert [("left out: training seed(s) 2" in b, "mean over 2 seeds" in b) for b in blocks] == \
+        [(True, True), (False, False), (False, False)], lines
 
 
 @pytest.mark.parametrize("env, argv, said", [
@@ -5841,6 +5873,8 @@ def test_faults_spec_files_are_checked_by_kind_before_anything_is_built(tmp_path
         train.main(["--lang", str(path), "--runs", str(tmp_path / "runs")])
     assert message in str(e.value.code) and "\n" not in str(e.value.code)
     assert not (tmp_path / "runs").exists()
+    if "allocate" in message:                           # the file at fault is named
+        assert f"the size of the language in {path}" in str(e.value.code), e.value.code
 
 
 def test_faults_a_span_task_that_is_never_a_constituent_ends(tmp_path):

@@ -1046,7 +1046,10 @@ def bf16(args, device):
 
 
 def main(argv=None):
-    data.command("train.py", lambda: train(parse_args(argv)), SIZES,
+    spec = [a for a in (argv if argv is not None else sys.argv[1:]) if a.endswith(".json")]
+    data.command("train.py", lambda: train(parse_args(argv)),
+                 SIZES.replace("--lang's size", f"the size of the language in {spec[0]}")
+                 if spec else SIZES,
                  lambda: "the run folder holds whole files only: --resume continues from its "
                          "last checkpoint (none yet: run the same command again)")
 

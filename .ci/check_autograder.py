@@ -19,10 +19,14 @@ score, max_score 1, visibility and words of its output):
              time; model.py in latin-1 with its coding line  assertion; hessian.py's and
              (PEP 263) and an import pdb; train.py with      dyck_theory.py's score 0, naming
              mlm_loss's raise left as a comment and          file and line; partial_r2 scores
-             lr_schedule wrong; hessian.py importing a       0 (the time limit), the rest of
-             helper module (submitted); dyck_theory.py with  probe.py's pass; all in
-             a line that fails at import; probe.py's         Gradescope's time
-             partial_r2 stuck in compiled code
+             lr_schedule wrong; hessian.py importing a       0 (the time limit) and
+             helper module (submitted); dyck_theory.py with  paired_difference 0 (the process
+             a line that fails at import; probe.py's         ended), the rest of probe.py's
+             partial_r2 stuck in compiled code and           pass; all in Gradescope's time
+             paired_difference ending pytest in an internal
+             error
+  hanging    the solutions, every exercise but the last      the last exercise passes, in
+             stuck in compiled code                          Gradescope's time; the others 0
   nothing    the student copy, every exercise returning    every exercise 0
              None: no work
   hostile    the student copy, with: data.py patching the    its true score: train.py's,
@@ -106,7 +110,8 @@ def run_autograder(root):
 def check_setup(bundle, tmp):
     """setup.sh and run_autograder are executable in the zip; setup.sh makes a venv beside
     source/, installs in it torch's CPU build at the version requirements.txt pins, numpy and
-    pytest pinned, then requirements.txt, and makes the student's user."""
+    pytest pinned, then requirements.txt, makes the student's user and checks that it can run
+    the venv's Python."""
     problems = []
     with zipfile.ZipFile(bundle) as z:
         for name in ("setup.sh", "run_autograder"):
@@ -119,7 +124,7 @@ def check_setup(bundle, tmp):
             # python3 -m venv DIR: DIR/bin/python, itself a stand-in
             'if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; fi\n'
             'if [ "$(basename "$0")" = id ]; then exit 1; fi\n')    # no such user yet
-    for name in ("python3", "apt-get", "id", "useradd"):
+    for name in ("python3", "apt-get", "id", "useradd", "runuser"):
         with open(os.path.join(stubs, name), "w") as f:
             f.write(stub)
         os.chmod(os.path.join(stubs, name), 0o755)
@@ -138,7 +143,10 @@ def check_setup(bundle, tmp):
                 pip + handout.pinned(), pip + ["-r", requirements],
                 ["id", "-u", handout.STUDENT],
                 ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                 handout.STUDENT]]
+                 handout.STUDENT],
+                ["runuser", "-u", handout.STUDENT, "--", os.path.join(root, "venv", "bin",
+                                                                       "python"),
+                 "-c", "import", "torch,", "numpy,", "pytest"]]
     pins = [p.split("==")[0] for p in handout.pinned() if "==" in p]
     if proc.returncode or calls != expected or pins != ["numpy", "pytest"]:
         problems.append(f"setup.sh (exit {proc.returncode}) ran {calls}, not {expected}"
@@ -229,8 +237,8 @@ def classroom_submission(submission, exercises, names):
     """The classroom submission (see the top) in `submission`: its expected results."""
     copy_scripts(submission)
     data = os.path.join(submission, "data.py")
-    edit(data, lambda lines: [line for line in lines
-                              if not handout.BEGIN.match(line) and not handout.END.match(line)])
+    edit(data, lambda lines: ["import time  # left from timing it"] + [
+        line for line in lines if not handout.BEGIN.match(line) and not handout.END.match(line)])
     with open(data, "rb") as f:
         text = f.read()
     with open(data, "wb") as f:
@@ -267,10 +275,12 @@ def classroom_submission(submission, exercises, names):
     edit(os.path.join(submission, "dyck_theory.py"), add_stray)
 
     at3, indent3 = region_start(exercises, "partial_r2")
+    at4, indent4 = region_start(exercises, "paired_difference")
     edit(os.path.join(submission, "probe.py"), lambda lines: lines[:at3] + [
         f"{indent3}sum(range(10 ** 15))                # compiled code: no signal stops it"]
-        + lines[at3:])
-    edit(data, lambda lines: ["import time  # left from timing it"] + lines)
+        + lines[at3:at4] + [f"{indent4}import _pytest.runner",
+                            f"{indent4}_pytest.runner.TestReport = None  # pytest: INTERNALERROR"]
+        + lines[at4:])
     expected = expected_with(exercises, names, {
         "hessian.py": (f"hessian.py fails when imported (line {helper_line[0]}: "
                        f"ModuleNotFoundError", "only the six scripts are graded"),
@@ -278,7 +288,19 @@ def classroom_submission(submission, exercises, names):
                            "undefined_name")})
     expected["lr_schedule"] = (None, ("failed", "test_train_", "test_all.py:", "assert"))
     expected["partial_r2"] = (0.0, "ran past the grader's time limit")
+    expected["paired_difference"] = (0.0, "the test process ended during this test")
     return expected
+
+
+def hanging_submission(submission, exercises, names):
+    """The solutions, every exercise but the last stuck in compiled code: the last one's point,
+    in Gradescope's time."""
+    copy_scripts(submission)
+    for name in sorted(names[:-1], key=lambda n: -exercises[n]["begin"]):   # lines below first
+        at, indent = region_start(exercises, name)
+        edit(os.path.join(submission, exercises[name]["file"]), lambda lines: lines[:at] + [
+            f"{indent}sum(range(10 ** 15))"] + lines[at:])
+    return {n: (1.0, "passed") if n == names[-1] else (0.0, "time limit") for n in names}
 
 
 def nothing_submission(submission, exercises, names):
@@ -585,6 +607,9 @@ def main():
         classroom = unpack(bundle, os.path.join(tmp, "classroom", "autograder"))
         cases.append(("classroom", classroom, classroom_submission(
             os.path.join(classroom, "submission"), exercises, names)))
+        hanging = unpack(bundle, os.path.join(tmp, "hanging", "autograder"))
+        cases.append(("hanging", hanging, hanging_submission(
+            os.path.join(hanging, "submission"), exercises, names)))
         nothing = unpack(bundle, os.path.join(tmp, "nothing", "autograder"))
         cases.append(("nothing", nothing, nothing_submission(
             os.path.join(nothing, "submission"), exercises, names)))

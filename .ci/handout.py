@@ -331,6 +331,7 @@ VISIBILITY = "visible"   # each exercise's score and output: shown to the studen
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 STUDENT = "handout-student"   # the user the autograder runs the student's code as (setup.sh)
 MAX_PROCESSES = 512   # threads included, for that user: torch's and the tests'
+FILE_LIMIT = 1 << 30  # bytes in one file a test process writes (its files go after each run)
 
 
 class Runner:
@@ -370,6 +371,7 @@ class Runner:
 
         def limits():
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
             with contextlib.suppress(OSError):      # out of memory: this one is killed first
                 with open("/proc/self/oom_score_adj", "w") as f:
                     f.write("1000")
@@ -429,12 +431,15 @@ def run_child(runner, folder, args, work, limit, deadline, spent, known, skip, s
               replay_env):
     """Run `pytest test_all.py ARGS` once in `folder` as the runner says (with the record or
     replay plugin and its environment `replay_env`, if any), and follow its
-    signed reports: (how it ended, the test it was in, its exit code, its output's tail), with
-    the reports added to `known` ({"tests": ..., "results": ...}) and the seconds the tests took
-    to `spent` ({exercise: seconds}). It ends "done" (pytest said so, or exited), "crashed"
-    (exited during a test), "time" (a test's exercises used up `limit` seconds), "stuck" (no
-    test began in IMPORT_LIMIT seconds) or "deadline" (the clock reached `deadline`); it is
-    stopped then, whatever it left running."""
+    signed reports: (how it ended, the test it was in, its exit code, its output's tail, the
+    seconds that test was given), with the reports added to `known` ({"tests": ...,
+    "results": ...}) and the seconds the tests took to `spent` ({exercise: seconds}). A test is
+    given what is left of its exercises' `limit`, and at most an equal share of the time left
+    among the exercises whose tests have not all reported (so that a hang early leaves time for
+    the last exercise). It ends "done" (pytest said so, or exited), "crashed" (exited during a
+    test), "time" (a test ran past what it was given), "stuck" (no test began in IMPORT_LIMIT
+    seconds) or "deadline" (the clock reached `deadline`); it is stopped then, whatever it left
+    running, and the files it left in its home are removed."""
     home = runner.workspace(work)
     key = secrets.token_bytes(32)
     report_r, report_w = os.pipe()
@@ -457,14 +462,13 @@ def run_child(runner, folder, args, work, limit, deadline, spent, known, skip, s
     os.set_blocking(report_r, False)
     buffer, current, started, ended, exited = b"", None, 0.0, None, None
     last, code = time.monotonic(), None          # the last test's end (or the start); done's code
+    given = limit
     try:
         while ended is None:
             now = time.monotonic()
             stop = min(deadline, last + IMPORT_LIMIT)     # collecting, or between two tests
             if current is not None:
-                left = min([limit - spent.get(e, 0) for e in known["tests"].get(current, [[]])[0]]
-                           or [limit])
-                stop = min(deadline, started + left)
+                stop = min(deadline, started + given)
             if now >= stop:
                 ended = ("deadline" if now >= deadline else "time" if current is not None else
                          "stuck")
@@ -485,6 +489,11 @@ def run_child(runner, folder, args, work, limit, deadline, spent, known, skip, s
                     known["tests"].update(row["tests"])
                 elif row.get("kind") == "start":
                     current, started = row["test"], time.monotonic()
+                    waiting = {e for test, (of, _) in known["tests"].items()
+                               if test not in known["results"] for e in of}
+                    given = min([limit - spent.get(e, 0) for e in
+                                 known["tests"].get(current, [[]])[0]] or [limit])
+                    given = min(given, (deadline - started) / max(1, len(waiting)))
                 elif row.get("kind") == "finish" and row["test"] == current:
                     for e in known["tests"].get(current, [[]])[0]:
                         spent[e] = spent.get(e, 0) + time.monotonic() - started
@@ -503,11 +512,12 @@ def run_child(runner, folder, args, work, limit, deadline, spent, known, skip, s
     finally:
         runner.stop(proc)
         os.close(report_r)
+        shutil.rmtree(home, ignore_errors=True)     # what it wrote: the next child has room
     if current is not None and ended == "time":
         for e in known["tests"].get(current, [[]])[0]:
             spent[e] = limit
     code = proc.returncode if code is None else code
-    return ended, current, code, _tail(home + ".out")
+    return ended, current, code, _tail(home + ".out"), given
 
 
 def _verified(key, line):
@@ -548,7 +558,8 @@ def run_tests(folder, args, limit=TIME_LIMIT, timeout=None, runner=None, replay_
         for plugin in ("grading_plugin.py", "grading_replay.py"):
             os.chmod(os.path.join(work, "plugin", plugin), 0o644)
         while True:
-            ended, current, code, out = run_child(runner, folder, args, work, limit, deadline,
+            before = len(known["results"])
+            ended, current, code, out, given = run_child(runner, folder, args, work, limit, deadline,
                                                   spent, known, set(known["results"]),
                                                   out_of_time, replay_env or {})
             results = known["results"]
@@ -560,18 +571,17 @@ def run_tests(folder, args, limit=TIME_LIMIT, timeout=None, runner=None, replay_
                 out_of_time |= set(of)
                 what = f"the tests of {', '.join(of)}" if of else "the test"
                 results[current] = observed[current] = (
-                    "failure", f"{what} ran past the grader's time limit of {limit:g} s (a loop "
-                    f"that never ends?)", "")
+                    "failure", f"{what} ran past the grader's time limit of {given:.3g} s (a "
+                    f"loop that never ends?)", "")
                 for test, (exercises, _) in known["tests"].items():
                     if test not in results and set(exercises) & out_of_time:
                         results[test] = observed[test] = (
                             "failure", f"not run: {what} used up the grader's time limit of "
-                            f"{limit:g} s", "")
-            elif ended == "crashed":
-                results.setdefault(current, ("error", f"the test process ended during this "
-                                             f"test (exit code {code})", ""))
-                observed.setdefault(current, results[current])
-            else:
+                            f"{given:.3g} s", "")
+            elif ended == "crashed" or ended == "done" and current is not None:
+                results[current] = observed[current] = (
+                    "error", f"the test process ended during this test (exit code {code})", "")
+            elif len(results) == before:      # done, and nothing more reported: no use again
                 break
             if all(test in results for test in known["tests"]):
                 break
@@ -649,8 +659,8 @@ def grade(folder, names, exercises=None, limit=TIME_LIMIT, timeout=None, replace
                                 20 * limit + 600 if timeout is None else timeout,
                                 runner or Runner())
     results, tests_of = run["results"], run["tests"]
-    first = run.get("record", run)                 # where the student's scripts were imported
-    if run_names and not any(set(of) & set(run_names) for of, _ in first["tests"].values()):
+    if run_names and not any(set(of) & set(run_names) for of, _ in tests_of.values()):
+        first = run.get("record", run)             # where the student's scripts were imported
         why = nothing_ran(exercises, first["results"], first["code"], first["out"])
         return [(n, "failed", 0, 0, why if n in run_names else
                  f"{exercises[n]['file']} {replaced[exercises[n]['file']]}: its exercises are "
@@ -859,6 +869,10 @@ python3 -m venv "$root/venv"
 chmod -R a+rX "$root/venv" "$root/source"
 # the student's code runs as this user: it cannot write the results or stop the grader
 id -u STUDENT >/dev/null 2>&1 || useradd --system --no-create-home --shell /usr/sbin/nologin STUDENT
+runuser -u STUDENT -- "$root/venv/bin/python" -c "import torch, numpy, pytest" || {
+    echo "setup.sh: user STUDENT cannot run $root/venv/bin/python (a folder closed to others?)" >&2
+    exit 1
+}
 """
 
 RUN_AUTOGRADER = '''#!/usr/bin/env python3
@@ -1090,6 +1104,21 @@ def autograde(root, names):
     gradient through an exercise's output taken twice) fails its test."""
     results = os.path.join(root, "results", "results.json")
     check_writable(results)
+    try:
+        rows, notes = grade_submission(root, names)
+    except Exception as e:        # the grader's own failure: the student still reads what it was
+        why = f"not graded: the autograder itself failed ({type(e).__name__}: {e})"
+        write_file(results, json.dumps(results_json(
+            [(n, "failed", 0, 0, why) for n in names],
+            ["The autograder failed, not your code: tell your instructor."]), indent=1).encode())
+        raise
+    write_file(results, json.dumps(results_json(rows, notes), indent=1).encode())
+    print_rows(rows)                                 # the instructor's log on Gradescope
+    print("\n".join(notes + [f"wrote {results}"]))
+
+
+def grade_submission(root, names):
+    """autograde's rows and notes for root/submission."""
     start = time.monotonic()
     project = os.path.join(root, "source", "project")
     handed_out = find_exercises(project)
@@ -1129,9 +1158,7 @@ def autograde(root, names):
                      runner=runner, trusted=trusted)
     notes += [f"{script} {wrong}: its exercises score 0; the other exercises were graded with "
               f"{script} as handed out" for script, wrong in replaced.items()]
-    write_file(results, json.dumps(results_json(rows, notes), indent=1).encode())
-    print_rows(rows)                                 # the instructor's log on Gradescope
-    print("\n".join(notes + [f"wrote {results}"]))
+    return rows, notes
 
 
 def print_rows(rows):
