@@ -434,9 +434,9 @@ def run_child(runner, folder, args, work, limit, deadline, spent, known, skip, s
     signed reports: (how it ended, the test it was in, its exit code, its output's tail, the
     seconds that test was given), with the reports added to `known` ({"tests": ...,
     "results": ...}) and the seconds the tests took to `spent` ({exercise: seconds}). A test is
-    given what is left of its exercises' `limit`, and at most an equal share of the time left
-    among the exercises whose tests have not all reported (so that a hang early leaves time for
-    the last exercise). It ends "done" (pytest said so, or exited), "crashed" (exited during a
+    given what is left of its exercises' `limit`, and (but in the replay) at most an equal share
+    of the time left among the exercises whose tests have not all reported, less a restart for
+    each (so that a hang early leaves time for the last exercise). It ends "done" (pytest said so, or exited), "crashed" (exited during a
     test), "time" (a test ran past what it was given), "stuck" (no test began in IMPORT_LIMIT
     seconds) or "deadline" (the clock reached `deadline`); it is stopped then, whatever it left
     running, and the files it left in its home are removed."""
@@ -462,7 +462,7 @@ def run_child(runner, folder, args, work, limit, deadline, spent, known, skip, s
     os.set_blocking(report_r, False)
     buffer, current, started, ended, exited = b"", None, 0.0, None, None
     last, code = time.monotonic(), None          # the last test's end (or the start); done's code
-    given = limit
+    began, given = last, limit
     try:
         while ended is None:
             now = time.monotonic()
@@ -489,11 +489,17 @@ def run_child(runner, folder, args, work, limit, deadline, spent, known, skip, s
                     known["tests"].update(row["tests"])
                 elif row.get("kind") == "start":
                     current, started = row["test"], time.monotonic()
+                    if began is not None:           # this child's start: import, collect
+                        known["startup"] = max(known.get("startup", 0), started - began)
+                        began = None
                     waiting = {e for test, (of, _) in known["tests"].items()
                                if test not in known["results"] for e in of}
                     given = min([limit - spent.get(e, 0) for e in
                                  known["tests"].get(current, [[]])[0]] or [limit])
-                    given = min(given, (deadline - started) / max(1, len(waiting)))
+                    # each exercise after this one may cost a restart (a hang here stops it)
+                    share = deadline - started - known["startup"] * (len(waiting) - 1)
+                    if "GRADER_REPLAY" not in replay_env:   # the replay runs no student code
+                        given = max(1.0, min(given, share / max(1, len(waiting))))
                 elif row.get("kind") == "finish" and row["test"] == current:
                     for e in known["tests"].get(current, [[]])[0]:
                         spent[e] = spent.get(e, 0) + time.monotonic() - started
