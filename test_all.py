@@ -1834,7 +1834,7 @@ def test_train_adversarial_run_logs_finite_losses(tmp_path):
     assert all(math.isfinite(r["adv_loss"]) and math.isfinite(r["kl"]) for r in rows)
 
 
-def test_train_lookup_table_is_exact(tmp_path, monkeypatch):
+def test_train_lookup_table_is_exact(tmp_path, monkeypatch, capsys):
     lang = data.build_language(_train_tiny_lang(tmp_path), 0)
     tokens, lengths = lang.sentences(50, seed=3)
     truth = lang.mlm_conditional(tokens, lengths)
@@ -1848,6 +1848,8 @@ def test_train_lookup_table_is_exact(tmp_path, monkeypatch):
     run = train.train(train.parse_args(_train_args(tmp_path, "--algo", "lookup", name="lookup")))
     net, ckpt, lang2 = train.load_checkpoint(os.path.join(run, "ckpt_0000000.pt"))
     assert ckpt["kind"] == "lookup" and isinstance(net, train.LookupTable)
+    said = capsys.readouterr().out        # how long the step-0 evaluation will take, first
+    assert re.search(r"step 0: the exact KL .* eval rows \(about \d+:\d\d\)", said), said
     # the eval row is evaluate() of the table on the masked eval inputs: KL ~1e-15 (float64)
     ev = train.make_eval_set(lang2, 100)
     row, again = _train_rows(run)[0], train.evaluate(net, ev, 10)
@@ -5806,6 +5808,26 @@ def test_bad_input_bench_controls_refuses_in_one_line(tmp_path, monkeypatch, cap
     assert capsys.readouterr().out == "" and "\n" not in str(e.value.code)
     assert said.format(runs=runs) in str(e.value.code), e.value.code
     assert os.listdir(runs) == []
+
+
+@pytest.mark.parametrize("broken, said", [
+    ("choice", "dose-fin20-s11.json is not whole JSON (cut short?)"),
+    ("evals", "dose-b3-s11/metrics.jsonl has no evaluation rows yet"),
+])
+def test_bad_input_bench_controls_names_the_file_at_fault(tmp_path, monkeypatch, broken, said):
+    """A floor choice cut short, a run without evaluation rows: one line naming the file."""
+    runs = tmp_path / "runs"
+    for run, rows in (("dose-b3-s11", [{"step": 1, "loss": 2.0}] if broken == "evals" else
+                       [{"step": 1, "kl": 0.02, "kl_se": 0.001}]),
+                      ("dose-fin20-50-s11", [{"step": 2, "kl": 0.02, "kl_se": 0.001}])):
+        (runs / run).mkdir(parents=True)
+        (runs / run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (runs / "dose-fin20-s11.json").write_text('{"decay": 50, "margin_se": 0.5}'
+                                              if broken == "evals" else '{"decay": 5')
+    monkeypatch.setenv("RUNS", str(runs))
+    with pytest.raises(SystemExit) as e:
+        _bench("controls").main(["report", "11"])
+    assert said in str(e.value.code) and "\n" not in str(e.value.code), e.value.code
 
 
 def test_bench_controls_next_decay_brackets_then_halves_or_doubles():

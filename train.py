@@ -621,7 +621,12 @@ def write_row(run, is_eval, start_step):
 
 def write_step_0(run_dir, net, ev, V, device="cpu", **extra):
     """The step-0 metrics row of an untrained model (a lookup table, a grown model)."""
-    print(f"step 0: the exact KL of the untrained model on {len(ev.pos):,} eval rows", flush=True)
+    t0, k, was_training = time.time(), min(len(ev.pos), 256), net.training
+    with torch.no_grad():               # a first batch says how long the whole will take
+        net.eval()(ev.inputs[:k].to(device))
+    net.train(was_training)
+    print(f"step 0: the exact KL of the untrained model on {len(ev.pos):,} eval rows (about "
+          f"{fmt_time((time.time() - t0) * len(ev.pos) / k)})", flush=True)
     t0 = time.time()
     row = {"step": 0, "loss": None, "lr": 0.0, "tokens_per_s": 0.0, "wall": 0.0,
            **evaluate(net, ev, V, device), **extra}

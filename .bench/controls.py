@@ -60,7 +60,10 @@ def evals(run):
     path = os.path.join(R, run, "metrics.jsonl")
     if not os.path.isfile(path):
         raise ValueError(f"no run {os.path.join(R, run)} (construct it first: the header)")
-    return [r for r in data.read_rows(path) if "kl" in r]
+    rows = [r for r in data.read_rows(path) if "kl" in r]
+    if not rows:
+        raise ValueError(f"{path} has no evaluation rows yet (a run stopped before its first)")
+    return rows
 
 
 def plateau_exit(seed):
@@ -124,8 +127,12 @@ def pair(seed):
         path = os.path.join(R, f"dose-fin{LATE}-s{seed}.json")
         if not os.path.isfile(path):
             raise ValueError(f"seed {seed}: no {path}: run floor {seed} first")
-        with open(path) as f:
-            choice = json.load(f)
+        try:
+            with open(path) as f:
+                choice = json.load(f)
+        except ValueError:
+            raise ValueError(f"seed {seed}: {path} is not whole JSON (cut short?): delete it "
+                             f"and run floor {seed} again") from None
         b_run = f"dose-fin{LATE}-{choice['decay']}-s{seed}"
         a, b = evals(a_run)[-1], evals(b_run)[-1]
         return (train.ckpt_path(os.path.join(R, a_run), a["step"]),
