@@ -631,11 +631,13 @@ def summary_table(run_dirs, min_step=0):
 
 def _numbers(path, fields, needs=("step",)):
     """data.read_rows(path, needs), refusing a row whose field in `fields` is there but is no
-    number (a string, a null): the summary would show it and leave it out of every fit."""
+    number (a string; a null, but for a spread of one draw): the summary would show it and leave
+    it out of every fit."""
     rows = data.read_rows(path, needs)
     for r in rows:
         for k in fields:
-            if k in r and (isinstance(r[k], bool) or not isinstance(r[k], (int, float))):
+            if k in r and (isinstance(r[k], bool) or not isinstance(r[k], (int, float))) \
+                    and not (r[k] is None and k.endswith(("_std", "_se"))):
                 raise ValueError(f"{path}: the row at step {r['step']} has {k} {r[k]!r}, not a "
                                  f"number: correct or delete that row")
     return rows

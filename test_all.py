@@ -4269,6 +4269,8 @@ def test_probe_summary_refuses_mixed_or_bad_runs(tmp_path, names, message):
                                      ("nulltrace", "hessian.jsonl", "trace", None)):
         path = Path(_probe_run_dir(tmp_path, name, [1], [1.0], [0.5])) / file
         path.write_text(json.dumps({**json.loads(path.read_text()), field: value}) + "\n")
+    path = tmp_path / "a" / "probe.jsonl"                        # a spread of one draw: fine
+    path.write_text(json.dumps({**json.loads(path.read_text()), "acc_std": None}) + "\n")
     with pytest.raises(ValueError, match=re.escape(message)) as e:
         probe.summary_table([str(tmp_path / name) for name in names])
     if names[0] == ".":                  # a folder of runs: the message shows how to name them
@@ -5413,6 +5415,8 @@ def test_handout_autograder_outcomes_come_from_the_replay(tmp_path):
     beside it, outcomes are decided there, from the student's recorded outputs. Graded where
     it runs (--grade, a student's own check), the same forgery wins."""
     handout = _handout()
+    if "NotImplementedError('exercise lower_bound:" in Path(dyck_theory.__file__).read_text():
+        pytest.skip("needs exercise lower_bound written: it is the one that passes here")
     trusted, student = tmp_path / "handed-out", tmp_path / "student"
     handout.write_handout(str(trusted), ["partial_r2", "lower_bound"])
     shutil.copytree(trusted, student)

@@ -50,7 +50,7 @@ no file), for run_autograder and --grade --results, before any grading; --autogr
 file it did not write, with an empty name or an exercise named twice; --grade --results over a
 script; and a student copy or zip cut short by a full disk (a file size limit stands for it):
 an error naming the file written, nothing left behind, and the same command then works.
-Run: python .ci/check_autograder.py   (about four minutes on 2 cores; exit 1 on failure; the
+Run: python .ci/check_autograder.py   (about ten minutes on 2 cores; exit 1 on failure; the
 peak memory of a grading process is printed)
 """
 import contextlib
