@@ -9,11 +9,12 @@ checkpoints store; language_from_spec); their `sample`s differ (an HMM's returns
 states, a PCFG's drops trees too long), and a PCFG's task_data keeps only sentences where the
 task's span can be a constituent. Words are 0..V-1, then mask_id(V) and pad_id(V).
 
-Reading order: mask_one (and mask_rate, App. E's 15 % rate); hmm_forward_backward,
-hmm_state_posterior, HMM; inside, outside, pcfg_conditional, PCFG; mlm_entropy; the samplers and
-the random grammar they call; LANGUAGES.
-After the plumbing banner: validation, and the command line with what the later scripts share
-of it (flag types, whole writes and appends, the JSON rows reader, one-line exits).
+Reading order: mask_one (and mask_rate, App. E's 15 % rate); the inputs' checks the languages
+make; the samplers and the random grammar; hmm_forward_backward, hmm_state_posterior, HMM;
+inside, outside, pcfg_conditional, PCFG; mlm_entropy; LANGUAGES.
+After the plumbing banner: building a language from its name or spec, and the command line with
+what the later scripts share of it (flag types, whole writes and appends, the JSON rows reader,
+one-line exits).
 
 Run (prints the language, its tasks and optimal MLM loss; writes sentences, task labels and
 the spec, read back by torch.load(FILE, weights_only=True)):
@@ -78,6 +79,186 @@ def mask_rate(tokens, lengths, V, rate=0.15, generator=None):
     inputs = torch.where(chosen, torch.full_like(tokens, mask_id(V)), tokens)
     targets = torch.where(chosen, tokens, torch.full_like(tokens, -100))
     return inputs, targets
+
+
+# ------------------------------------------- what the languages refuse: their inputs' checks ---
+
+def _as_float64(x, name):
+    """`x` (tensor, numpy array or nested list) as a float64 CPU tensor, or a ValueError."""
+    try:
+        x = x.detach().cpu().double().numpy() if torch.is_tensor(x) else x
+        return torch.tensor(np.asarray(x, dtype=np.float64))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name}: expected a numeric array, got {type(x).__name__} ({e})")
+
+
+def _refuse(impossible, idx, who, what=""):
+    """Raise a ValueError naming the first sentence idx[i] with impossible[i] (Pr(x) = 0)."""
+    if impossible.any():
+        raise ValueError(f"{who}sentence {idx[impossible.nonzero()[0, 0]].item()} has "
+                         f"probability 0{what}")
+
+
+def _check_sentences(who, tokens, lengths, V):
+    """(tokens, lengths (None: all T), valid [n, T]) of a batch of words or masks, or ValueError."""
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    if tokens.dim() != 2:
+        raise ValueError(f"{who}: tokens must be [n, T]; got shape {list(tokens.shape)}")
+    n, T = tokens.shape
+    lengths = torch.full((n,), T) if lengths is None else torch.as_tensor(lengths).long()
+    if lengths.shape != (n,) or (lengths < 1).any() or (lengths > T).any():
+        raise ValueError(f"{who}: lengths must be [n] = [{n}] with 1 <= length <= T = {T} "
+                         f"(the width of tokens); got {lengths.tolist()}"[:300])
+    valid = torch.arange(T) < lengths[:, None]
+    bad = valid & (tokens != mask_id(V)) & ((tokens < 0) | (tokens >= V))
+    if bad.any():
+        i, t = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"{who}: sentence {i} position {t} holds id {int(tokens[i, t])}, not a "
+                         f"word id in 0..{V - 1} or mask_id (pad only beyond the length)")
+    return tokens, lengths, valid
+
+
+def _check_rows(m, row_name, tol):
+    """Raise ValueError unless each row of m [R, K] is a distribution; row_name(i) names row i."""
+    bad = ~torch.isfinite(m).all(1)
+    if bad.any():
+        raise ValueError(f"{row_name(int(bad.nonzero()[0]))} has a NaN or infinite entry")
+    if (m < 0).any():
+        i = int((m < 0).any(1).nonzero()[0])
+        raise ValueError(f"{row_name(i)} has a negative entry (min {float(m[i].min()):.3g})")
+    off = m.sum(1) - 1
+    if (off.abs() > tol).any():
+        i = int(off.abs().argmax())
+        raise ValueError(f"{row_name(i)} sums to {float(m[i].sum()):.12g}, off 1 by "
+                         f"{float(off[i]):+.3g} (tolerance {tol:g})")
+
+
+def _check_grammar(root, binary, lexical, symbols, words, tol):
+    """Raise ValueError unless root [S], binary [S,S,S], lexical [S,V] are a CNF grammar."""
+    S = root.shape[0] if root.dim() == 1 else 0
+    if S == 0 or binary.shape != (S, S, S) or lexical.dim() != 2 or lexical.shape[0] != S \
+            or lexical.shape[1] == 0:
+        raise ValueError(f"root, binary, lexical must have shapes [S], [S,S,S], [S,V] (S, V >= 1)"
+                         f"; got {list(root.shape)}, {list(binary.shape)}, {list(lexical.shape)}")
+    if symbols is not None and len(symbols) != S or words is not None and \
+            len(words) != lexical.shape[1]:
+        raise ValueError(f"symbols / words must name all {S} symbols / {lexical.shape[1]} words")
+    names = list(symbols) if symbols is not None else [str(a) for a in range(S)]
+    _check_rows(root[None], lambda i: "root", tol)
+    _check_rows(torch.cat([binary.reshape(S, -1), lexical], 1),
+                lambda a: f"the rules of symbol {a} ({names[a]})", tol)
+
+
+def _check_span_tasks(span_tasks, max_len, reserved):
+    """{name: (start, width)} of valid span tasks (a list pair, as JSON stores it, accepted)."""
+    for name, where in (span_tasks or {}).items():
+        if not (isinstance(name, str) and name not in reserved and isinstance(where, (list, tuple))
+                and [type(v) for v in where] == [int, int] and where[0] >= 0 and where[1] >= 1
+                and sum(where) <= max_len):
+            raise ValueError(f"span task {name!r}: {where!r} must be (start, width), start >= 0, "
+                             f"width >= 1, start + width <= max_len = {max_len}, not A, B or C")
+    return {name: tuple(where) for name, where in (span_tasks or {}).items()}
+
+
+# -------------------------------- what sample() and PCFG.random use (§2.2): samplers, grammar ---
+
+def _cdf_table(p):
+    """Inverse-CDF table of the rows of p [R, K]: (row r's CDF + r, flattened: one sorted array
+    for all rows; the last non-zero column of each row; K)."""
+    R, K = p.shape
+    cdf = p.cumsum(1)
+    cdf = cdf / cdf[:, -1:]  # ends at exactly 1
+    last = K - 1 - (p > 0).flip(1).int().argmax(1)
+    return (cdf + torch.arange(R, dtype=torch.float64)[:, None]).reshape(-1), last, K
+
+
+def _draw_from_rows(table, rows, u):
+    """One column drawn from row rows[i] per uniform u[i] in [0, 1); zero-probability columns
+    never (the clamp only catches rounding in rows + u near 1)."""
+    flat, last, K = table
+    idx = torch.searchsorted(flat, rows + u, right=True) - rows * K
+    return torch.minimum(idx, last[rows])
+
+
+def _rewrite(symbol, is_word, length, rows, cols, outcome, S):
+    """One round of _grow_sentences: the items at (rows, cols) rewritten by `outcome`, every
+    other item moved right past the new ones. Returns the new (symbol, is_word, length)."""
+    binary = outcome < S * S
+    width = (torch.arange(symbol.shape[1]) < length[:, None]).long()  # items each becomes
+    width[rows[binary], cols[binary]] = 2
+    dest = width.cumsum(1) - width  # the new position of each item's first replacement
+    new_symbol, new_is_word = torch.full_like(symbol, -1), torch.zeros_like(is_word)
+    r, c = (width > 0).nonzero(as_tuple=True)  # every item moves; rewritten ones change below
+    new_symbol[r, dest[r, c]], new_is_word[r, dest[r, c]] = symbol[r, c], is_word[r, c]
+    r, d = rows[~binary], dest[rows[~binary], cols[~binary]]
+    new_symbol[r, d], new_is_word[r, d] = outcome[~binary] - S * S, True  # A -> w: the word
+    r, d, pair = rows[binary], dest[rows[binary], cols[binary]], outcome[binary]
+    new_symbol[r, d], new_symbol[r, d + 1] = pair // S, pair % S  # A -> B C: B, then C
+    return new_symbol, new_is_word, width.sum(1)
+
+
+def _grow_sentences(root_cdf, rule_cdf, S, V, m, T, g):
+    """Grow m trees top-down at once (§2.2): (tokens [k, T], pad_id(V) beyond the length;
+    lengths [k]) of the k <= m with at most T words. A row holds a tree's frontier (symbols to
+    rewrite, words emitted); a round rewrites every pending symbol by one rule (outcome B*S+C:
+    symbols B C; S*S+w: word w); a row longer than T words is dropped at once."""
+    symbol = torch.full((m, 2 * T), -1, dtype=torch.long)  # <= T items become <= 2T in a round
+    is_word = torch.zeros(m, 2 * T, dtype=torch.bool)
+    length = torch.ones(m, dtype=torch.long)
+    u = torch.rand(m, generator=g, dtype=torch.float64)
+    symbol[:, 0] = _draw_from_rows(root_cdf, torch.zeros(m, dtype=torch.long), u)
+    pos = torch.arange(2 * T)
+    while True:
+        rows, cols = ((pos < length[:, None]) & ~is_word).nonzero(as_tuple=True)
+        if len(rows) == 0:
+            break
+        u = torch.rand(len(rows), generator=g, dtype=torch.float64)
+        outcome = _draw_from_rows(rule_cdf, symbol[rows, cols], u)
+        symbol, is_word, length = _rewrite(symbol, is_word, length, rows, cols, outcome, S)
+        short = length <= T
+        symbol, is_word, length = symbol[short], is_word[short], length[short]
+    tokens = torch.full((len(length), T), pad_id(V), dtype=torch.long)
+    valid = pos[:T] < length[:, None]
+    tokens[valid] = symbol[:, :T][valid]
+    return tokens, length
+
+
+def _layered_grammar(n_symbols, vocab_size, seed, n_levels, rules_per_symbol, p_lexical,
+                     words_per_symbol, upper_words, max_len):
+    """root [S], binary [S,S,S], lexical [S,V] (numpy) of PCFG.random's layered grammar."""
+    S, V, depth = n_symbols, vocab_size, n_levels
+    if not (2 <= depth <= S and 2 ** (depth - 1) <= max_len and 0 <= p_lexical < 1):
+        raise ValueError(f"PCFG.random: need 2 <= n_levels <= n_symbols, 2^(n_levels-1) <= "
+                         f"max_len, 0 <= p_lexical < 1; got {depth}, {S}, {max_len}, {p_lexical}")
+    rng = np.random.default_rng(seed)
+    sizes = [S // depth + (i < S % depth) for i in range(depth)]
+    start = np.cumsum([0] + sizes)
+    level = [np.arange(start[i], start[i + 1]) for i in range(depth)]
+    root = np.zeros(S)
+    root[level[0]] = rng.dirichlet(np.ones(sizes[0]))
+    binary, lexical = np.zeros((S, S, S)), np.zeros((S, V))
+    for i in range(depth - 1):
+        nxt = level[i + 1]
+        n_pairs = len(nxt) ** 2
+        k = min(rules_per_symbol, n_pairs)
+        p_lex = 0.0 if i == 0 else p_lexical
+        for a in level[i]:
+            pick = rng.choice(n_pairs, size=k, replace=False)
+            binary[a, nxt[pick // len(nxt)], nxt[pick % len(nxt)]] = \
+                (1 - p_lex) * rng.dirichlet(np.ones(k))
+            if p_lex > 0:
+                w = rng.choice(V, size=min(upper_words, V), replace=False)
+                lexical[a, w] = p_lex * rng.dirichlet(np.ones(len(w)))
+    last = level[-1]
+    for a in last:
+        w = rng.choice(V, size=min(words_per_symbol, V), replace=False)
+        lexical[a, w] = rng.dirichlet(np.full(len(w), 0.5))
+    # every word reachable: a word no last-level symbol emits gets a small share of one
+    for w in np.nonzero(lexical[last].sum(0) == 0)[0]:
+        a = rng.choice(last)
+        lexical[a, w] = lexical[a].mean()
+        lexical[a] /= lexical[a].sum()
+    return root, binary, lexical
 
 
 # ========================================================================== the HMM (§2.2) ===
@@ -530,107 +711,6 @@ def mlm_entropy(lang, n=1000, seed=0, batch=500):
     return per_sentence.mean().item(), (per_sentence.std() / math.sqrt(n)).item()
 
 
-# -------------------------------- what sample() and PCFG.random use (§2.2): samplers, grammar ---
-
-def _cdf_table(p):
-    """Inverse-CDF table of the rows of p [R, K]: (row r's CDF + r, flattened: one sorted array
-    for all rows; the last non-zero column of each row; K)."""
-    R, K = p.shape
-    cdf = p.cumsum(1)
-    cdf = cdf / cdf[:, -1:]  # ends at exactly 1
-    last = K - 1 - (p > 0).flip(1).int().argmax(1)
-    return (cdf + torch.arange(R, dtype=torch.float64)[:, None]).reshape(-1), last, K
-
-
-def _draw_from_rows(table, rows, u):
-    """One column drawn from row rows[i] per uniform u[i] in [0, 1); zero-probability columns
-    never (the clamp only catches rounding in rows + u near 1)."""
-    flat, last, K = table
-    idx = torch.searchsorted(flat, rows + u, right=True) - rows * K
-    return torch.minimum(idx, last[rows])
-
-
-def _grow_sentences(root_cdf, rule_cdf, S, V, m, T, g):
-    """Grow m trees top-down at once (§2.2): (tokens [k, T], pad_id(V) beyond the length;
-    lengths [k]) of the k <= m with at most T words. A row holds a tree's frontier (symbols to
-    rewrite, words emitted); a round rewrites every pending symbol by one rule (outcome B*S+C:
-    symbols B C; S*S+w: word w); a row longer than T words is dropped at once."""
-    symbol = torch.full((m, 2 * T), -1, dtype=torch.long)  # <= T items become <= 2T in a round
-    is_word = torch.zeros(m, 2 * T, dtype=torch.bool)
-    length = torch.ones(m, dtype=torch.long)
-    u = torch.rand(m, generator=g, dtype=torch.float64)
-    symbol[:, 0] = _draw_from_rows(root_cdf, torch.zeros(m, dtype=torch.long), u)
-    pos = torch.arange(2 * T)
-    while True:
-        rows, cols = ((pos < length[:, None]) & ~is_word).nonzero(as_tuple=True)
-        if len(rows) == 0:
-            break
-        u = torch.rand(len(rows), generator=g, dtype=torch.float64)
-        outcome = _draw_from_rows(rule_cdf, symbol[rows, cols], u)
-        symbol, is_word, length = _rewrite(symbol, is_word, length, rows, cols, outcome, S)
-        short = length <= T
-        symbol, is_word, length = symbol[short], is_word[short], length[short]
-    tokens = torch.full((len(length), T), pad_id(V), dtype=torch.long)
-    valid = pos[:T] < length[:, None]
-    tokens[valid] = symbol[:, :T][valid]
-    return tokens, length
-
-
-def _rewrite(symbol, is_word, length, rows, cols, outcome, S):
-    """One round of _grow_sentences: the items at (rows, cols) rewritten by `outcome`, every
-    other item moved right past the new ones. Returns the new (symbol, is_word, length)."""
-    binary = outcome < S * S
-    width = (torch.arange(symbol.shape[1]) < length[:, None]).long()  # items each becomes
-    width[rows[binary], cols[binary]] = 2
-    dest = width.cumsum(1) - width  # the new position of each item's first replacement
-    new_symbol, new_is_word = torch.full_like(symbol, -1), torch.zeros_like(is_word)
-    r, c = (width > 0).nonzero(as_tuple=True)  # every item moves; rewritten ones change below
-    new_symbol[r, dest[r, c]], new_is_word[r, dest[r, c]] = symbol[r, c], is_word[r, c]
-    r, d = rows[~binary], dest[rows[~binary], cols[~binary]]
-    new_symbol[r, d], new_is_word[r, d] = outcome[~binary] - S * S, True  # A -> w: the word
-    r, d, pair = rows[binary], dest[rows[binary], cols[binary]], outcome[binary]
-    new_symbol[r, d], new_symbol[r, d + 1] = pair // S, pair % S  # A -> B C: B, then C
-    return new_symbol, new_is_word, width.sum(1)
-
-
-def _layered_grammar(n_symbols, vocab_size, seed, n_levels, rules_per_symbol, p_lexical,
-                     words_per_symbol, upper_words, max_len):
-    """root [S], binary [S,S,S], lexical [S,V] (numpy) of PCFG.random's layered grammar."""
-    S, V, depth = n_symbols, vocab_size, n_levels
-    if not (2 <= depth <= S and 2 ** (depth - 1) <= max_len and 0 <= p_lexical < 1):
-        raise ValueError(f"PCFG.random: need 2 <= n_levels <= n_symbols, 2^(n_levels-1) <= "
-                         f"max_len, 0 <= p_lexical < 1; got {depth}, {S}, {max_len}, {p_lexical}")
-    rng = np.random.default_rng(seed)
-    sizes = [S // depth + (i < S % depth) for i in range(depth)]
-    start = np.cumsum([0] + sizes)
-    level = [np.arange(start[i], start[i + 1]) for i in range(depth)]
-    root = np.zeros(S)
-    root[level[0]] = rng.dirichlet(np.ones(sizes[0]))
-    binary, lexical = np.zeros((S, S, S)), np.zeros((S, V))
-    for i in range(depth - 1):
-        nxt = level[i + 1]
-        n_pairs = len(nxt) ** 2
-        k = min(rules_per_symbol, n_pairs)
-        p_lex = 0.0 if i == 0 else p_lexical
-        for a in level[i]:
-            pick = rng.choice(n_pairs, size=k, replace=False)
-            binary[a, nxt[pick // len(nxt)], nxt[pick % len(nxt)]] = \
-                (1 - p_lex) * rng.dirichlet(np.ones(k))
-            if p_lex > 0:
-                w = rng.choice(V, size=min(upper_words, V), replace=False)
-                lexical[a, w] = p_lex * rng.dirichlet(np.ones(len(w)))
-    last = level[-1]
-    for a in last:
-        w = rng.choice(V, size=min(words_per_symbol, V), replace=False)
-        lexical[a, w] = rng.dirichlet(np.full(len(w), 0.5))
-    # every word reachable: a word no last-level symbol emits gets a small share of one
-    for w in np.nonzero(lexical[last].sum(0) == 0)[0]:
-        a = rng.choice(last)
-        lexical[a, w] = lexical[a].mean()
-        lexical[a] /= lexical[a].sum()
-    return root, binary, lexical
-
-
 # =========================================== the named languages (train.py --lang, this CLI) ===
 
 HMM_SMALL = dict(n_states=20, vocab_size=50, n_blocks=2, length=16)  # "hmm-small": CPU scale
@@ -712,83 +792,6 @@ def _check_count(v, name):
     if type(v) is not int or v < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     return v
-
-
-def _as_float64(x, name):
-    """`x` (tensor, numpy array or nested list) as a float64 CPU tensor, or a ValueError."""
-    try:
-        x = x.detach().cpu().double().numpy() if torch.is_tensor(x) else x
-        return torch.tensor(np.asarray(x, dtype=np.float64))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{name}: expected a numeric array, got {type(x).__name__} ({e})")
-
-
-def _check_sentences(who, tokens, lengths, V):
-    """(tokens, lengths (None: all T), valid [n, T]) of a batch of words or masks, or ValueError."""
-    tokens = torch.as_tensor(tokens, dtype=torch.long)
-    if tokens.dim() != 2:
-        raise ValueError(f"{who}: tokens must be [n, T]; got shape {list(tokens.shape)}")
-    n, T = tokens.shape
-    lengths = torch.full((n,), T) if lengths is None else torch.as_tensor(lengths).long()
-    if lengths.shape != (n,) or (lengths < 1).any() or (lengths > T).any():
-        raise ValueError(f"{who}: lengths must be [n] = [{n}] with 1 <= length <= T = {T} "
-                         f"(the width of tokens); got {lengths.tolist()}"[:300])
-    valid = torch.arange(T) < lengths[:, None]
-    bad = valid & (tokens != mask_id(V)) & ((tokens < 0) | (tokens >= V))
-    if bad.any():
-        i, t = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(f"{who}: sentence {i} position {t} holds id {int(tokens[i, t])}, not a "
-                         f"word id in 0..{V - 1} or mask_id (pad only beyond the length)")
-    return tokens, lengths, valid
-
-
-def _refuse(impossible, idx, who, what=""):
-    """Raise a ValueError naming the first sentence idx[i] with impossible[i] (Pr(x) = 0)."""
-    if impossible.any():
-        raise ValueError(f"{who}sentence {idx[impossible.nonzero()[0, 0]].item()} has "
-                         f"probability 0{what}")
-
-
-def _check_rows(m, row_name, tol):
-    """Raise ValueError unless each row of m [R, K] is a distribution; row_name(i) names row i."""
-    bad = ~torch.isfinite(m).all(1)
-    if bad.any():
-        raise ValueError(f"{row_name(int(bad.nonzero()[0]))} has a NaN or infinite entry")
-    if (m < 0).any():
-        i = int((m < 0).any(1).nonzero()[0])
-        raise ValueError(f"{row_name(i)} has a negative entry (min {float(m[i].min()):.3g})")
-    off = m.sum(1) - 1
-    if (off.abs() > tol).any():
-        i = int(off.abs().argmax())
-        raise ValueError(f"{row_name(i)} sums to {float(m[i].sum()):.12g}, off 1 by "
-                         f"{float(off[i]):+.3g} (tolerance {tol:g})")
-
-
-def _check_grammar(root, binary, lexical, symbols, words, tol):
-    """Raise ValueError unless root [S], binary [S,S,S], lexical [S,V] are a CNF grammar."""
-    S = root.shape[0] if root.dim() == 1 else 0
-    if S == 0 or binary.shape != (S, S, S) or lexical.dim() != 2 or lexical.shape[0] != S \
-            or lexical.shape[1] == 0:
-        raise ValueError(f"root, binary, lexical must have shapes [S], [S,S,S], [S,V] (S, V >= 1)"
-                         f"; got {list(root.shape)}, {list(binary.shape)}, {list(lexical.shape)}")
-    if symbols is not None and len(symbols) != S or words is not None and \
-            len(words) != lexical.shape[1]:
-        raise ValueError(f"symbols / words must name all {S} symbols / {lexical.shape[1]} words")
-    names = list(symbols) if symbols is not None else [str(a) for a in range(S)]
-    _check_rows(root[None], lambda i: "root", tol)
-    _check_rows(torch.cat([binary.reshape(S, -1), lexical], 1),
-                lambda a: f"the rules of symbol {a} ({names[a]})", tol)
-
-
-def _check_span_tasks(span_tasks, max_len, reserved):
-    """{name: (start, width)} of valid span tasks (a list pair, as JSON stores it, accepted)."""
-    for name, where in (span_tasks or {}).items():
-        if not (isinstance(name, str) and name not in reserved and isinstance(where, (list, tuple))
-                and [type(v) for v in where] == [int, int] and where[0] >= 0 and where[1] >= 1
-                and sum(where) <= max_len):
-            raise ValueError(f"span task {name!r}: {where!r} must be (start, width), start >= 0, "
-                             f"width >= 1, start + width <= max_len = {max_len}, not A, B or C")
-    return {name: tuple(where) for name, where in (span_tasks or {}).items()}
 
 
 # ========================= the CLI: flag types and whole writes, shared with later scripts ===

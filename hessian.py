@@ -1,8 +1,9 @@
 """Flatness of a masked LM: the trace of the Hessian of the pre-training loss (§3, §4, App. B.2).
 
-Reading order:
-  trace_hessian        App. B.2's unbiased estimate of Tr[∇²L], used for every checkpoint (§4)
-  sq_grad_norms        the per-sample squared gradient norms it averages (torch.func.vmap)
+Reading order (first, under its banner, what the estimator stands on: the masked position's
+log-probabilities, eval mode, and the plain-ops LSTM that torch.func and double backward need):
+  sq_grad_norms        the per-sample squared gradient norms (torch.func.vmap)
+  trace_hessian        App. B.2's unbiased estimate of Tr[∇²L] from them, for every checkpoint (§4)
   adaptive_trace       the trace in coordinates rescaling cannot change (Dinh et al. 2017)
   weight_norms         the scale a trace is measured at
 
@@ -10,9 +11,7 @@ Reading order:
   gradient_covariance  Lemma 3.2 (noise covariance = Hessian at a minimiser) on a toy softmax
   lemma_3_2_check      Lemma 3.2 on it: the noise covariance is the Hessian at a minimiser
   sgd_demo             Theorem 3.3: SGD drifts along the minimisers towards a smaller trace
-After the banner, the plumbing: the masked position's log-probabilities, the plain-ops LSTM
-that torch.func and double backward need, and the command line. Every measure runs in eval mode
-(dropout off).
+Then the command line. Every measure runs in eval mode (dropout off).
 
     python hessian.py runs/e1-s0/ckpt_*.pt                   # CPU: 300 sentences × 10 ỹ × 5
     python hessian.py runs/NAME/ckpt_*.pt --sentences 10000 --samples 50 --device cuda  # B.2
@@ -48,7 +47,162 @@ ROW_VERSION = 2              # rows of release 1 lack adaptive_trace and weight_
 GRAD_FLOATS_PER_CHUNK = 2**25  # ~128 MiB of float32 per-sample gradients per vmap chunk
 
 
+# ===== plumbing: what the estimator stands on (log-probabilities at the masked position, eval mode)
+def log_probs_at(net, inputs, positions, V=None):
+    """log p_θ(· | x_-t) at each sentence's masked position over the V words, [N, V] float32:
+    the softmax train.py trains (train.mlm_log_probs); `gather` keeps it vmap-safe."""
+    logits = net(inputs)                                           # (N, T, vocab)
+    index = positions.view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
+    row = logits.gather(1, index).squeeze(1)                       # (N, vocab)
+    return train.mlm_log_probs(row, row.shape[-1] if V is None else V)
+
+
+def n_words(net):
+    """V, the words the pre-training softmax runs over (None, all outputs, without a .config)."""
+    config = getattr(net, "config", None)
+    return None if config is None else config.vocab_size - data.N_SPECIAL
+
+
+@contextlib.contextmanager
+def measuring(*nets):
+    """Eval mode (dropout off: the paper measures the deterministic loss) and the plain "math"
+    attention kernel: the fused kernels have neither a vmap rule nor a double backward."""
+    modes = [net.training for net in nets]
+    for net in nets:
+        net.eval()
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+    finally:
+        for net, mode in zip(nets, modes):
+            net.train(mode)
+
+
+def model_probs(net, inputs, positions, batch_size=512):
+    """p_θ(· | x_-t) at each masked position over the V words, float64 [N, V] (eval mode)."""
+    with measuring(net):
+        return torch.cat([log_probs_at(net, inputs[s:s + batch_size], positions[s:s + batch_size],
+                                       n_words(net)).double().exp()
+                          for s in range(0, len(inputs), batch_size)])
+
+
+def _cross_entropy(logp, targets):
+    if targets.is_floating_point():
+        return -(targets.to(logp.dtype) * logp).sum(-1).mean()
+    return -logp.gather(1, targets.view(-1, 1)).mean()
+
+
+def pretraining_loss(net, inputs, positions, targets):
+    """L(θ) of §3 on these masked sentences, the mean over them of -log p_θ(x_t | x_-t) for
+    targets [N] long (the true words), or of the cross-entropy against targets [N, V] float."""
+    return _cross_entropy(log_probs_at(net, inputs, positions, n_words(net)), targets)
+
+
+def _params_and_buffers(net):
+    """Trainable parameters (what θ is) and everything else functional_call needs."""
+    params = {k: v.detach() for k, v in net.named_parameters() if v.requires_grad}
+    rest = {k: v.detach() for k, v in net.named_parameters() if not v.requires_grad}
+    rest.update(dict(net.named_buffers()))
+    if not params:
+        raise ValueError("model has no trainable parameters (a lookup table?): no Hessian")
+    return params, rest
+
+
+class FunctionalLSTM(nn.Module):
+    """model.py's nn.LSTM (batch_first, bias, no projection) in plain ops, which vmap can batch
+    and which have a double backward on every device; same parameter names, gates i, f, g, o.
+    With `self.keep` [B, T] set (by vmappable), states stay zero over padded steps."""
+
+    def __init__(self, lstm):
+        super().__init__()
+        self.num_layers, self.hidden_size = lstm.num_layers, lstm.hidden_size
+        self.bidirectional = lstm.bidirectional
+        for name, p in lstm.named_parameters():
+            self.register_parameter(name, p)
+        self.keep = None
+
+    def _direction(self, x, layer, suffix):
+        """One layer, one direction over x [B, T, in] -> out [B, T, H]."""
+        w_ih = getattr(self, f"weight_ih_l{layer}{suffix}")
+        w_hh = getattr(self, f"weight_hh_l{layer}{suffix}")
+        b = getattr(self, f"bias_ih_l{layer}{suffix}") + getattr(self, f"bias_hh_l{layer}{suffix}")
+        xw = x @ w_ih.T + b                                        # (B, T, 4H)
+        h = c = x.new_zeros(x.shape[0], self.hidden_size)                # states start at zero
+        steps = range(x.shape[1] - 1, -1, -1) if suffix else range(x.shape[1])
+        outs = [None] * x.shape[1]
+        for t in steps:
+            i, f, g, o = (xw[:, t] + h @ w_hh.T).chunk(4, dim=-1)    # gate pre-activations
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h = torch.sigmoid(o) * torch.tanh(c)
+            if self.keep is not None:                              # padded step: state stays 0
+                keep_t = self.keep[:, t, None].to(h.dtype)
+                h, c = h * keep_t, c * keep_t
+            outs[t] = h
+        return torch.stack(outs, dim=1)
+
+    def forward(self, x):
+        """(output [B, T, D·H], None): model.py reads only the output."""
+        for layer in range(self.num_layers):
+            x = torch.cat([self._direction(x, layer, s)
+                           for s in ["", "_reverse"][:1 + self.bidirectional]], dim=-1)
+        return x, None
+
+
+def vmappable(net):
+    """`net` itself, or a copy whose nn.LSTM layers are FunctionalLSTM (same parameter names);
+    a forward pre-hook hands them the padding mask, which they cannot see in the embeddings."""
+    if not any(isinstance(m, nn.LSTM) for m in net.modules()):
+        return net
+    net = copy.deepcopy(net)
+    lstms = []
+    for m in list(net.modules()):
+        for child_name, child in list(m.named_children()):
+            if isinstance(child, nn.LSTM):
+                lstms.append(FunctionalLSTM(child))
+                setattr(m, child_name, lstms[-1])
+    if isinstance(net, model_lib.LSTM):            # no packing: FunctionalLSTM masks padding
+        net.features = lambda tokens: net.lstm(net.drop(net.embed(tokens)))[0]
+    pad = getattr(getattr(net, "config", None), "pad_id", None)
+    if pad is not None:
+        def set_keep(module, args):
+            for lstm in lstms:
+                lstm.keep = args[0] != pad                         # (B, T) True at real tokens
+        net.register_forward_pre_hook(set_keep)
+    return net
+
+
 # =============================================================== §4, App. B.2: the trace estimator
+def sq_grad_norms(net, inputs, positions, labels, chunk_size=None, scaled=False):
+    """‖∇_θ log p_θ(y_k | x_-t_k)‖² for each pair k, float64 [K] (App. B.2), eval mode: vmap over
+    the pairs of grad of one pair's log-probability (torch.func), `chunk_size` pairs at a time
+    (default: ~128 MiB of per-sample gradients, at most 512); scaled=True: ‖θ ⊙ ∇_θ ...‖²
+    (adaptive_trace). inputs [K, T], positions [K], labels [K]. A pair that occurs several
+    times (a likely ỹ drawn again for one sentence) is computed once: the same numbers."""
+    key = torch.cat([inputs, positions[:, None], labels[:, None]], 1).cpu()
+    key, copy_of = torch.unique(key, dim=0, return_inverse=True)
+    key = key.to(inputs.device)
+    inputs, positions, labels = key[:, :-2], key[:, -2], key[:, -1]
+    fnet, V = vmappable(net), n_words(net)
+    params, rest = _params_and_buffers(net)
+
+    def log_prob(p, tokens, pos, y):                               # one pair, unbatched
+        logp = log_probs_at(lambda x: functional_call(fnet, (p, rest), (x,)),
+                            tokens.unsqueeze(0), pos.view(1), V)[0]             # (V,)
+        return logp.gather(0, y.view(1))[0]
+
+    def sq_norm(p, tokens, pos, y):
+        g = grad(log_prob)(p, tokens, pos, y)
+        return sum((g[k] * p[k] if scaled else g[k]).float().pow(2).sum() for k in g)
+
+    batched = vmap(sq_norm, in_dims=(None, 0, 0, 0))
+    chunk = chunk_size or max(1, min(512, GRAD_FLOATS_PER_CHUNK // sum(
+        p.numel() for p in params.values())))
+    with measuring(net, fnet):
+        out = [batched(params, inputs[s:s + chunk], positions[s:s + chunk],
+                       labels[s:s + chunk]).double() for s in range(0, len(labels), chunk)]
+    return (torch.cat(out) if out else torch.zeros(0, dtype=torch.float64))[copy_of.to(key.device)]
+
+
 def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0):
     """App. B.2: unbiased estimate of Tr[∇²L] in the saturation regime -> (mean, std).
 
@@ -80,37 +234,6 @@ def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0):
     per_repeat = norms.cpu().view(n, n_repeats, n_samples).mean((0, 2))   # (R,)
     return per_repeat.mean().item(), per_repeat.std().item()
     # END EXERCISE trace_hessian
-
-
-def sq_grad_norms(net, inputs, positions, labels, chunk_size=None, scaled=False):
-    """‖∇_θ log p_θ(y_k | x_-t_k)‖² for each pair k, float64 [K] (App. B.2), eval mode: vmap over
-    the pairs of grad of one pair's log-probability (torch.func), `chunk_size` pairs at a time
-    (default: ~128 MiB of per-sample gradients, at most 512); scaled=True: ‖θ ⊙ ∇_θ ...‖²
-    (adaptive_trace). inputs [K, T], positions [K], labels [K]. A pair that occurs several
-    times (a likely ỹ drawn again for one sentence) is computed once: the same numbers."""
-    key = torch.cat([inputs, positions[:, None], labels[:, None]], 1).cpu()
-    key, copy_of = torch.unique(key, dim=0, return_inverse=True)
-    key = key.to(inputs.device)
-    inputs, positions, labels = key[:, :-2], key[:, -2], key[:, -1]
-    fnet, V = vmappable(net), n_words(net)
-    params, rest = _params_and_buffers(net)
-
-    def log_prob(p, tokens, pos, y):                               # one pair, unbatched
-        logp = log_probs_at(lambda x: functional_call(fnet, (p, rest), (x,)),
-                            tokens.unsqueeze(0), pos.view(1), V)[0]             # (V,)
-        return logp.gather(0, y.view(1))[0]
-
-    def sq_norm(p, tokens, pos, y):
-        g = grad(log_prob)(p, tokens, pos, y)
-        return sum((g[k] * p[k] if scaled else g[k]).float().pow(2).sum() for k in g)
-
-    batched = vmap(sq_norm, in_dims=(None, 0, 0, 0))
-    chunk = chunk_size or max(1, min(512, GRAD_FLOATS_PER_CHUNK // sum(
-        p.numel() for p in params.values())))
-    with measuring(net, fnet):
-        out = [batched(params, inputs[s:s + chunk], positions[s:s + chunk],
-                       labels[s:s + chunk]).double() for s in range(0, len(labels), chunk)]
-    return (torch.cat(out) if out else torch.zeros(0, dtype=torch.float64))[copy_of.to(key.device)]
 
 
 # =========================== flatness that rescaling cannot fake, and the scale it is measured at
@@ -290,130 +413,6 @@ def sgd_demo(steps=20_000, lr=0.05, balance=2.0, n_rows=10, seed=0, log=None):
                                                   words[step:step + 1])[0]
     return rows
 
-
-# ===== plumbing: what the estimator stands on (log-probabilities at the masked position, eval mode)
-
-def log_probs_at(net, inputs, positions, V=None):
-    """log p_θ(· | x_-t) at each sentence's masked position over the V words, [N, V] float32:
-    the softmax train.py trains (train.mlm_log_probs); `gather` keeps it vmap-safe."""
-    logits = net(inputs)                                           # (N, T, vocab)
-    index = positions.view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
-    row = logits.gather(1, index).squeeze(1)                       # (N, vocab)
-    return train.mlm_log_probs(row, row.shape[-1] if V is None else V)
-
-
-def n_words(net):
-    """V, the words the pre-training softmax runs over (None, all outputs, without a .config)."""
-    config = getattr(net, "config", None)
-    return None if config is None else config.vocab_size - data.N_SPECIAL
-
-
-def model_probs(net, inputs, positions, batch_size=512):
-    """p_θ(· | x_-t) at each masked position over the V words, float64 [N, V] (eval mode)."""
-    with measuring(net):
-        return torch.cat([log_probs_at(net, inputs[s:s + batch_size], positions[s:s + batch_size],
-                                       n_words(net)).double().exp()
-                          for s in range(0, len(inputs), batch_size)])
-
-
-def pretraining_loss(net, inputs, positions, targets):
-    """L(θ) of §3 on these masked sentences, the mean over them of -log p_θ(x_t | x_-t) for
-    targets [N] long (the true words), or of the cross-entropy against targets [N, V] float."""
-    return _cross_entropy(log_probs_at(net, inputs, positions, n_words(net)), targets)
-
-
-def _cross_entropy(logp, targets):
-    if targets.is_floating_point():
-        return -(targets.to(logp.dtype) * logp).sum(-1).mean()
-    return -logp.gather(1, targets.view(-1, 1)).mean()
-
-
-@contextlib.contextmanager
-def measuring(*nets):
-    """Eval mode (dropout off: the paper measures the deterministic loss) and the plain "math"
-    attention kernel: the fused kernels have neither a vmap rule nor a double backward."""
-    modes = [net.training for net in nets]
-    for net in nets:
-        net.eval()
-    try:
-        with sdpa_kernel([SDPBackend.MATH]):
-            yield
-    finally:
-        for net, mode in zip(nets, modes):
-            net.train(mode)
-
-
-def _params_and_buffers(net):
-    """Trainable parameters (what θ is) and everything else functional_call needs."""
-    params = {k: v.detach() for k, v in net.named_parameters() if v.requires_grad}
-    rest = {k: v.detach() for k, v in net.named_parameters() if not v.requires_grad}
-    rest.update(dict(net.named_buffers()))
-    if not params:
-        raise ValueError("model has no trainable parameters (a lookup table?): no Hessian")
-    return params, rest
-
-
-class FunctionalLSTM(nn.Module):
-    """model.py's nn.LSTM (batch_first, bias, no projection) in plain ops, which vmap can batch
-    and which have a double backward on every device; same parameter names, gates i, f, g, o.
-    With `self.keep` [B, T] set (by vmappable), states stay zero over padded steps."""
-
-    def __init__(self, lstm):
-        super().__init__()
-        self.num_layers, self.hidden_size = lstm.num_layers, lstm.hidden_size
-        self.bidirectional = lstm.bidirectional
-        for name, p in lstm.named_parameters():
-            self.register_parameter(name, p)
-        self.keep = None
-
-    def _direction(self, x, layer, suffix):
-        """One layer, one direction over x [B, T, in] -> out [B, T, H]."""
-        w_ih = getattr(self, f"weight_ih_l{layer}{suffix}")
-        w_hh = getattr(self, f"weight_hh_l{layer}{suffix}")
-        b = getattr(self, f"bias_ih_l{layer}{suffix}") + getattr(self, f"bias_hh_l{layer}{suffix}")
-        xw = x @ w_ih.T + b                                        # (B, T, 4H)
-        h = c = x.new_zeros(x.shape[0], self.hidden_size)                # states start at zero
-        steps = range(x.shape[1] - 1, -1, -1) if suffix else range(x.shape[1])
-        outs = [None] * x.shape[1]
-        for t in steps:
-            i, f, g, o = (xw[:, t] + h @ w_hh.T).chunk(4, dim=-1)    # gate pre-activations
-            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-            h = torch.sigmoid(o) * torch.tanh(c)
-            if self.keep is not None:                              # padded step: state stays 0
-                keep_t = self.keep[:, t, None].to(h.dtype)
-                h, c = h * keep_t, c * keep_t
-            outs[t] = h
-        return torch.stack(outs, dim=1)
-
-    def forward(self, x):
-        """(output [B, T, D·H], None): model.py reads only the output."""
-        for layer in range(self.num_layers):
-            x = torch.cat([self._direction(x, layer, s)
-                           for s in ["", "_reverse"][:1 + self.bidirectional]], dim=-1)
-        return x, None
-
-
-def vmappable(net):
-    """`net` itself, or a copy whose nn.LSTM layers are FunctionalLSTM (same parameter names);
-    a forward pre-hook hands them the padding mask, which they cannot see in the embeddings."""
-    if not any(isinstance(m, nn.LSTM) for m in net.modules()):
-        return net
-    net = copy.deepcopy(net)
-    lstms = []
-    for m in list(net.modules()):
-        for child_name, child in list(m.named_children()):
-            if isinstance(child, nn.LSTM):
-                lstms.append(FunctionalLSTM(child))
-                setattr(m, child_name, lstms[-1])
-    if isinstance(net, model_lib.LSTM):            # no packing: FunctionalLSTM masks padding
-        net.features = lambda tokens: net.lstm(net.drop(net.embed(tokens)))[0]
-    pad = getattr(getattr(net, "config", None), "pad_id", None)
-    if pad is not None:
-        def set_keep(module, args):
-            for lstm in lstms:
-                lstm.keep = args[0] != pad                         # (B, T) True at real tokens
-        net.register_forward_pre_hook(set_keep)
-    return net
 
 
 # ----------------------------------------------------------------------------- command line

@@ -12,9 +12,9 @@ Interface (used by train.py, hessian.py, probe.py):
     h = net.features(tokens)        # [B, T, d], the last-layer representations probes read
     big = grow(net, width=2, extra_layers=1)   # same logits, 2x heads/width, one more block
 
-Reading order: ModelConfig and PRESETS (the sizes), attention and the transformer's blocks, the
-LSTM, grow; then the plumbing (the fused attention of FUSED_ATTENTION, initialisation, padding
-mask, config_from_preset and the preset listing). .bench/check_grow.py measures grow() against
+Reading order: ModelConfig and PRESETS (the sizes), attention and its fused form (the switch
+FUSED_ATTENTION), initialisation and the padding mask, the transformer's blocks, the LSTM, grow
+with the post-LN blocks it stacks; then the plumbing (config_from_preset, the preset listing). .bench/check_grow.py measures grow() against
 the paper's zero-filled blocks.
 """
 import argparse
@@ -112,6 +112,34 @@ def attention(q, k, v, keep):
     scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
     return scores.softmax(-1) @ v
     # END EXERCISE attention
+
+
+def fast_attention(q, k, v, keep, dropout=0.0):
+    """attention() through PyTorch's fused kernel (plus attention dropout while training), taken
+    when FUSED_ATTENTION is True or dropout > 0; held equal to the plain form by the tests."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :],
+                                          dropout_p=dropout)
+
+
+def _init_weights(module):
+    """BERT initialisation: N(0, 0.02) weights, zero biases, LayerNorm gain 1 and bias 0."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LSTM):
+        for name, p in module.named_parameters():
+            nn.init.normal_(p, std=0.02) if name.startswith("weight") else nn.init.zeros_(p)
+
+
+def _keep_mask(tokens, config):
+    """True at real tokens; rows that are all padding keep every position (avoids NaN)."""
+    if tokens.dim() != 2 or tokens.shape[1] > config.max_len:
+        raise ValueError(f"tokens must be [B, T <= max_len={config.max_len}], got "
+                         f"{tuple(tokens.shape)}")
+
+    keep = tokens != config.pad_id
+    return keep | ~keep.any(1, keepdim=True)
 
 
 class SelfAttention(nn.Module):
@@ -251,6 +279,37 @@ class LSTM(nn.Module):
         return self.head(self.drop(h))
 
 
+def _deepen_post_ln(state, n_layers, extra_layers, s=0.5):
+    """Exact post-LN blocks on top (grow()). With N(y) = P y / sqrt(var(y) + eps), P centring,
+    and c > 0: N(c N_e(y)) = N_e'(y) c / sqrt(c^2 + eps), e' = eps e / (c^2 + eps): a LayerNorm of
+    a scalar-gain, bias-free LayerNorm output normalises y again, with a smaller effective eps.
+    So: the old last block's y = v + MLP(v) is scaled by s (its N(y) then has effective eps
+    eps / s^2), its second LayerNorm gets gain c, bias 0; the new LayerNorms gain sqrt(c^2 + eps),
+    bias 0, except the last: gamma sqrt(c^2 + eps) / c and beta (the old last gain and bias). With
+    c^2 = eps (s^(-2/m) - 1) over the m = 2 * extra_layers new LayerNorms the effective eps is
+    back to eps at the last one, whose output is gamma N(y) + beta = h_L. Edits `state`."""
+    old, top = f"blocks.{n_layers - 1}.", f"blocks.{n_layers + extra_layers - 1}.ln_2."
+    m = 2 * extra_layers  # LayerNorms applied by the new blocks
+    c = math.sqrt(LN_EPS * (s ** (-2 / m) - 1))  # brings the effective eps back to LN_EPS
+    g = math.sqrt(c * c + LN_EPS)  # keeps the scalar factor at c through every new LayerNorm
+    gamma, beta = state[old + "ln_2.weight"], state[old + "ln_2.bias"]
+    for name in ("ln_1.weight", "ln_1.bias", "mlp.proj.weight", "mlp.proj.bias"):
+        state[old + name] = state[old + name] * s  # y = v + MLP(v) becomes s * y
+    state[old + "mlp.fc.weight"] = state[old + "mlp.fc.weight"] / s
+    state[old + "ln_2.weight"], state[old + "ln_2.bias"] = (
+        torch.full_like(gamma, c), torch.zeros_like(beta))
+    for i in range(n_layers, n_layers + extra_layers):
+        for ln in ("ln_1", "ln_2"):
+            state[f"blocks.{i}.{ln}.weight"] = torch.full_like(gamma, g)
+            state[f"blocks.{i}.{ln}.bias"] = torch.zeros_like(beta)
+    state[top + "weight"], state[top + "bias"] = gamma * (g / c), beta
+
+
+def build(config):
+    """Network for `config`: a Transformer or an LSTM masked LM."""
+    return Transformer(config) if config.arch == "transformer" else LSTM(config)
+
+
 def grow(model, width=2, extra_layers=0, seed=0, split="even"):
     """App. B.1.3: the model embedded in one with `width` = k times the heads, features and MLP
     units (LSTM: hidden units) and `extra_layers` more transformer blocks on top, computing the
@@ -347,65 +406,7 @@ def grow(model, width=2, extra_layers=0, seed=0, split="even"):
     # END EXERCISE grow
 
 
-def _deepen_post_ln(state, n_layers, extra_layers, s=0.5):
-    """Exact post-LN blocks on top (grow()). With N(y) = P y / sqrt(var(y) + eps), P centring,
-    and c > 0: N(c N_e(y)) = N_e'(y) c / sqrt(c^2 + eps), e' = eps e / (c^2 + eps): a LayerNorm of
-    a scalar-gain, bias-free LayerNorm output normalises y again, with a smaller effective eps.
-    So: the old last block's y = v + MLP(v) is scaled by s (its N(y) then has effective eps
-    eps / s^2), its second LayerNorm gets gain c, bias 0; the new LayerNorms gain sqrt(c^2 + eps),
-    bias 0, except the last: gamma sqrt(c^2 + eps) / c and beta (the old last gain and bias). With
-    c^2 = eps (s^(-2/m) - 1) over the m = 2 * extra_layers new LayerNorms the effective eps is
-    back to eps at the last one, whose output is gamma N(y) + beta = h_L. Edits `state`."""
-    old, top = f"blocks.{n_layers - 1}.", f"blocks.{n_layers + extra_layers - 1}.ln_2."
-    m = 2 * extra_layers  # LayerNorms applied by the new blocks
-    c = math.sqrt(LN_EPS * (s ** (-2 / m) - 1))  # brings the effective eps back to LN_EPS
-    g = math.sqrt(c * c + LN_EPS)  # keeps the scalar factor at c through every new LayerNorm
-    gamma, beta = state[old + "ln_2.weight"], state[old + "ln_2.bias"]
-    for name in ("ln_1.weight", "ln_1.bias", "mlp.proj.weight", "mlp.proj.bias"):
-        state[old + name] = state[old + name] * s  # y = v + MLP(v) becomes s * y
-    state[old + "mlp.fc.weight"] = state[old + "mlp.fc.weight"] / s
-    state[old + "ln_2.weight"], state[old + "ln_2.bias"] = (
-        torch.full_like(gamma, c), torch.zeros_like(beta))
-    for i in range(n_layers, n_layers + extra_layers):
-        for ln in ("ln_1", "ln_2"):
-            state[f"blocks.{i}.{ln}.weight"] = torch.full_like(gamma, g)
-            state[f"blocks.{i}.{ln}.bias"] = torch.zeros_like(beta)
-    state[top + "weight"], state[top + "bias"] = gamma * (g / c), beta
-
-
-# =================== plumbing: fused attention, initialisation, padding, presets, the command line
-
-def fast_attention(q, k, v, keep, dropout=0.0):
-    """attention() through PyTorch's fused kernel (plus attention dropout while training), taken
-    when FUSED_ATTENTION is True or dropout > 0; held equal to the plain form by the tests."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :],
-                                          dropout_p=dropout)
-
-
-def _init_weights(module):
-    """BERT initialisation: N(0, 0.02) weights, zero biases, LayerNorm gain 1 and bias 0."""
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, std=0.02)
-        if getattr(module, "bias", None) is not None:
-            nn.init.zeros_(module.bias)
-    elif isinstance(module, nn.LSTM):
-        for name, p in module.named_parameters():
-            nn.init.normal_(p, std=0.02) if name.startswith("weight") else nn.init.zeros_(p)
-
-
-def _keep_mask(tokens, config):
-    """True at real tokens; rows that are all padding keep every position (avoids NaN)."""
-    if tokens.dim() != 2 or tokens.shape[1] > config.max_len:
-        raise ValueError(f"tokens must be [B, T <= max_len={config.max_len}], got "
-                         f"{tuple(tokens.shape)}")
-
-    keep = tokens != config.pad_id
-    return keep | ~keep.any(1, keepdim=True)
-
-
-def build(config):
-    """Network for `config`: a Transformer or an LSTM masked LM."""
-    return Transformer(config) if config.arch == "transformer" else LSTM(config)
+# ================================================== plumbing: presets, sizes, the command line
 
 
 def n_params(model):

@@ -417,20 +417,6 @@ def paired_difference(n_correct_a, n_correct_b, n_probe_seeds):
     # END EXERCISE paired_difference
 
 
-def same_loss_statistic(pairs):
-    """"Same loss, better downstream, flatter" in one statistic (§4) over matched pairs
-    [(seed, acc_diff, log_trace_ratio)], each B minus A at the same KL: acc_diff = acc_B - acc_A,
-    log_trace_ratio = log(Tr_B / Tr_A). A seed's pairs are averaged first, then over seeds:
-    -> (acc_diff's t_interval, log_trace_ratio's t_interval, (k, n)): (mean, se, lo, hi) over
-    seeds ((mean, None, None, None) for one seed), and in k of the n pairs the flatter side is
-    the more accurate."""
-    seeds = sorted({s for s, _, _ in pairs})
-    per_seed = np.array([np.mean([(d, r) for s2, d, r in pairs if s2 == s], 0) for s in seeds])
-    over_seeds = [t_interval(v) if len(v) > 1 else (float(v[0]), None, None, None)
-                  for v in per_seed.T]
-    return (*over_seeds, (sum((d > 0) == (r < 0) and d != 0 for _, d, r in pairs), len(pairs)))
-
-
 T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18)  # t, df 1..12
 
 
@@ -444,6 +430,20 @@ def t_interval(values):
     se = float(v.std(ddof=1) / math.sqrt(len(v)))
     t = T95[min(len(v) - 2, len(T95) - 1)]
     return float(v.mean()), se, float(v.mean()) - t * se, float(v.mean()) + t * se
+
+
+def same_loss_statistic(pairs):
+    """"Same loss, better downstream, flatter" in one statistic (§4) over matched pairs
+    [(seed, acc_diff, log_trace_ratio)], each B minus A at the same KL: acc_diff = acc_B - acc_A,
+    log_trace_ratio = log(Tr_B / Tr_A). A seed's pairs are averaged first, then over seeds:
+    -> (acc_diff's t_interval, log_trace_ratio's t_interval, (k, n)): (mean, se, lo, hi) over
+    seeds ((mean, None, None, None) for one seed), and in k of the n pairs the flatter side is
+    the more accurate."""
+    seeds = sorted({s for s, _, _ in pairs})
+    per_seed = np.array([np.mean([(d, r) for s2, d, r in pairs if s2 == s], 0) for s in seeds])
+    over_seeds = [t_interval(v) if len(v) > 1 else (float(v[0]), None, None, None)
+                  for v in per_seed.T]
+    return (*over_seeds, (sum((d > 0) == (r < 0) and d != 0 for _, d, r in pairs), len(pairs)))
 
 
 def match_kl(kl, kl_se, candidates):
@@ -476,6 +476,19 @@ def checked_task(path, ckpt, lang, task, method):
     if method == "finetune" and ckpt["kind"] == "lookup":
         raise ValueError(f"{path} is a lookup table: no weights to fine-tune; use --method linear")
     return task, n_classes
+
+
+def probe_settings(step, task, method, n_train, n_test, n_seeds, solver, width, epochs):
+    """The settings a row records, by which a checkpoint probed already is skipped."""
+    ft = method == "finetune"
+    adamw = solver == "adamw" and not ft
+    return {"step": int(step), "task": str(task), "method": method, "n_train": n_train,
+            "n_test": n_test, "seeds": list(range(n_seeds)), "projection": width,
+            "probe": None if ft else solver, "epochs": epochs or LINEAR_EPOCHS if adamw else None,
+            **({"l2_grid": list(L2_GRID), "tol": PROBE_TOL, "valid_share": VALID_SHARE}
+               if solver == "solved" and not ft else {}),
+            **({"ft_grid_of": [list(FT_LRS), list(FT_UPDATES), VALID_SHARE, FT_WARMUP, FT_EXTEND]}
+               if ft else {})}
 
 
 def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST,
@@ -547,19 +560,6 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
             "wall_s": round(time.time() - t0, 2)}
 
 
-def probe_settings(step, task, method, n_train, n_test, n_seeds, solver, width, epochs):
-    """The settings a row records, by which a checkpoint probed already is skipped."""
-    ft = method == "finetune"
-    adamw = solver == "adamw" and not ft
-    return {"step": int(step), "task": str(task), "method": method, "n_train": n_train,
-            "n_test": n_test, "seeds": list(range(n_seeds)), "projection": width,
-            "probe": None if ft else solver, "epochs": epochs or LINEAR_EPOCHS if adamw else None,
-            **({"l2_grid": list(L2_GRID), "tol": PROBE_TOL, "valid_share": VALID_SHARE}
-               if solver == "solved" and not ft else {}),
-            **({"ft_grid_of": [list(FT_LRS), list(FT_UPDATES), VALID_SHARE, FT_WARMUP, FT_EXTEND]}
-               if ft else {})}
-
-
 # ----------------------------------------------------------------------------- the summary
 def setting_name(row):
     """A probe row's column: `{method}_{task}`, then `_adamw` for the record's probe (a row
@@ -568,6 +568,31 @@ def setting_name(row):
     if row["method"] != "finetune" and row.get("probe", "adamw") == "adamw":
         name += "_adamw"
     return name + (f"_w{row['projection']}" if row.get("projection") is not None else "")
+
+
+def _numbers(path, fields, needs=("step",)):
+    """data.read_rows(path, needs), refusing a row whose field in `fields` is there but is no
+    number (a string; a null, but for a spread of one draw): the summary would show it and leave
+    it out of every fit."""
+    rows = data.read_rows(path, needs)
+    for r in rows:
+        for k in fields:
+            if k in r and (isinstance(r[k], bool) or not isinstance(r[k], (int, float))) \
+                    and not (r[k] is None and k.endswith(("_std", "_se"))):
+                raise ValueError(f"{path}: the row at step {r['step']} has {k} {r[k]!r}, not a "
+                                 f"number: correct or delete that row")
+    return rows
+
+
+def _check_same(seen, what, run, settings, source):
+    """Refuse a run whose settings (a dict, read from file `source`) differ from the first's."""
+    first_run, first = seen.setdefault(what, (run, settings))
+    diff = [f"{k} differs" if len(repr(v)) > 40 else f"{k} {v!r} vs {first[k]!r}"
+            for k, v in settings.items() if v != first[k]]
+    if diff:
+        who = f"{run} and {first_run} differ" if run != first_run else f"{run}'s rows differ"
+        raise ValueError(f"{who} in {what} ({', '.join(diff)}): not comparable; summarise them "
+                         f"apart, or delete the rows of the other setting from {source}")
 
 
 def summary_table(run_dirs, min_step=0):
@@ -629,31 +654,6 @@ def summary_table(run_dirs, min_step=0):
     return columns, [row for row, _ in rows]
 
 
-def _numbers(path, fields, needs=("step",)):
-    """data.read_rows(path, needs), refusing a row whose field in `fields` is there but is no
-    number (a string; a null, but for a spread of one draw): the summary would show it and leave
-    it out of every fit."""
-    rows = data.read_rows(path, needs)
-    for r in rows:
-        for k in fields:
-            if k in r and (isinstance(r[k], bool) or not isinstance(r[k], (int, float))) \
-                    and not (r[k] is None and k.endswith(("_std", "_se"))):
-                raise ValueError(f"{path}: the row at step {r['step']} has {k} {r[k]!r}, not a "
-                                 f"number: correct or delete that row")
-    return rows
-
-
-def _check_same(seen, what, run, settings, source):
-    """Refuse a run whose settings (a dict, read from file `source`) differ from the first's."""
-    first_run, first = seen.setdefault(what, (run, settings))
-    diff = [f"{k} differs" if len(repr(v)) > 40 else f"{k} {v!r} vs {first[k]!r}"
-            for k, v in settings.items() if v != first[k]]
-    if diff:
-        who = f"{run} and {first_run} differ" if run != first_run else f"{run}'s rows differ"
-        raise ValueError(f"{who} in {what} ({', '.join(diff)}): not comparable; summarise them "
-                         f"apart, or delete the rows of the other setting from {source}")
-
-
 def _finite(v):
     return isinstance(v, (int, float)) and math.isfinite(v)
 
@@ -710,6 +710,10 @@ def pair_checkpoints(table, setting, spec_a, spec_b):
         raise ValueError(f"--compare: no training seed has probed checkpoints in both {ga!r} and "
                          f"{gb!r} (groups: {sorted({r['group'] for r in table})})")
     return groups
+
+
+def _fmt(v):
+    return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def compare(table, setting, spec_a, spec_b):
@@ -787,10 +791,6 @@ def compare(table, setting, spec_a, spec_b):
     lines.append(f"  not matched: {len(unmatched)} pairs; in {lower_worse} of them the side with "
                  f"the lower loss is the less accurate")
     return lines, [p[:4] for p in pairs]
-
-
-def _fmt(v):
-    return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def _fmt_fit(fit):

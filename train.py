@@ -18,10 +18,10 @@ fixed held-out set, with its standard error, goes to metrics.jsonl.
 Writes runs/NAME/: config.json, metrics.jsonl (a JSON row per log step), ckpt_0000500.pt, ...
 (dicts for torch.load(weights_only=True): all that resuming, hessian.py and probe.py need).
 
-Reading order: the paper's objects (make_batch, mlm_loss, adversarial_loss, make_optimizer,
-lr_at, evaluate, LookupTable); the plumbing (command line, checks, DDP's setup_distributed, run
-folders, checkpoints, resume and branch); then the training loop (train, one_update), which
-calls both, and main.
+Reading order: the paper's objects (the seeded streams every draw comes from, make_batch,
+mlm_loss, adversarial_loss, make_optimizer, lr_at, evaluate, LookupTable); the plumbing (command
+line, checks, DDP's setup_distributed, run folders, checkpoints, resume and branch); then the
+training loop (train, one_update), which calls both, and main.
 """
 import argparse
 import contextlib
@@ -55,6 +55,17 @@ STREAMS = {"init": 1, "data": 2, "mask": 3, "task": 6, "adv": 7, "eval": 8, "pro
 
 
 # ============================== the paper's objects: data, objectives, optimiser, exact evaluation
+
+def stream_seed(seed, stream, *keys):
+    """A 63-bit seed for `stream` (STREAMS) at (seed, *keys): resuming needs no sampler state."""
+    ss = np.random.SeedSequence([int(seed), STREAMS[stream], *[int(k) for k in keys]])
+    return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+def generator(seed, stream, *keys):
+    """A CPU torch.Generator for stream_seed(seed, stream, *keys)."""
+    return torch.Generator().manual_seed(stream_seed(seed, stream, *keys))
+
 
 def make_batch(lang, args, step, n):
     """The MLM batch of update `step`, a function of (args.seed, step): (inputs, targets [n, T],
@@ -742,17 +753,6 @@ def cpu_has_bf16():
         return True
 
 
-def stream_seed(seed, stream, *keys):
-    """A 63-bit seed for `stream` (STREAMS) at (seed, *keys): resuming needs no sampler state."""
-    ss = np.random.SeedSequence([int(seed), STREAMS[stream], *[int(k) for k in keys]])
-    return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
-
-
-def generator(seed, stream, *keys):
-    """A CPU torch.Generator for stream_seed(seed, stream, *keys)."""
-    return torch.Generator().manual_seed(stream_seed(seed, stream, *keys))
-
-
 # ----------------------------------------------------------------------------------- checkpoints
 
 def save(run):
@@ -1044,7 +1044,6 @@ def bf16(args, device):
     """Whether the training step autocasts to bf16 (--precision; "auto": on CUDA only): matmuls
     in bf16, the weights and AdamW's moments fp32. Exact quantities (the KL, hessian.py, probe.py,
     data.py) never autocast: bf16's relative error, 4e-3, is on the scale of their KLs."""
-
 
 
     return args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
