@@ -261,12 +261,12 @@ def sample_efficiency(x_train, y_train, x_test, y_test, probe):
     return sum(w * c.double() for w, (c, _) in zip(weights, each)), [c for _, c in each]
 
 
-def finetune(model, train_split, test_split, n_classes, seed, lr=3e-3, at=(160,),
+def finetune(model, train_split, test_split, n_classes, seed, lr=3e-3, updates=(160,),
              width=None, warmup=FT_WARMUP, batch_size=FT_BATCH, device="cpu"):
-    """Yields (n, correctness bool [n_test]) after each n of `at` updates of a copy of the whole
+    """Yields (n, correctness bool [n_test]) after each n of `updates` updates of a copy of the whole
     network plus a linear head on concat_features (App. A.4) through the probe's map,
     probe_map(D, width, seed) (None: the full width D): AdamW at lr after a linear warm-up of
-    `warmup` updates, constant after (one run serves every n of `at`), gradients clipped to
+    `warmup` updates, constant after (one run serves every n of `updates`), gradients clipped to
     FT_CLIP, one reshuffle of the training split per pass. `model` is
     unchanged; the global RNG (dropout's) is restored at the end."""
     (tok, lengths, y), (tok_test, lengths_test, y_test) = train_split, test_split
@@ -285,8 +285,8 @@ def finetune(model, train_split, test_split, n_classes, seed, lr=3e-3, at=(160,)
                                       warmup_steps=warmup)   # no end: no decay
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: train.lr_at(s, schedule) / lr)
         order = torch.cat([torch.randperm(len(tok), generator=g)
-                           for _ in range(math.ceil(at[-1] * batch_size / len(tok)))])
-        for step in range(at[-1]):
+                           for _ in range(math.ceil(updates[-1] * batch_size / len(tok)))])
+        for step in range(updates[-1]):
             idx = order[step * batch_size:(step + 1) * batch_size]
             x = concat_features(net, tok[idx], lengths[idx], T, device) @ R
             loss = F.cross_entropy(head(x), y[idx].to(device))
@@ -295,7 +295,7 @@ def finetune(model, train_split, test_split, n_classes, seed, lr=3e-3, at=(160,)
             torch.nn.utils.clip_grad_norm_(params, FT_CLIP)
             opt.step()
             sched.step()
-            if step + 1 in at:
+            if step + 1 in updates:
                 with torch.no_grad():
                     x_test = concat_features(net.eval(), tok_test, lengths_test, T, device)
                     yield step + 1, head(x_test @ R).argmax(1).eq(y_test.to(device)).cpu()
@@ -328,12 +328,12 @@ def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, width=Non
         print(f"[finetune] {len(grid)} grid point(s) kept in {partial}", file=sys.stderr)
     for widened in range(FT_EXTEND + 1):
         for lr in lrs:
-            at = tuple(n for n in ups if (lr, n) not in correct and n < stop.get(lr, math.inf))
-            if at and widened:                  # the replay of judged updates prints nothing
-                print(f"[finetune] widened: lr {lr:g} run to {at[-1]} updates, first new {at[0]}",
-                      file=sys.stderr, flush=True)
-            for n, c in finetune(model, fit, judged, n_classes, 0, lr, at, width,
-                                 device=device) if at else ():
+            new = tuple(n for n in ups if (lr, n) not in correct and n < stop.get(lr, math.inf))
+            if new and widened:                 # the replay of judged updates prints nothing
+                print(f"[finetune] widened: lr {lr:g} run to {new[-1]} updates, first new "
+                      f"{new[0]}", file=sys.stderr, flush=True)
+            for n, c in finetune(model, fit, judged, n_classes, 0, lr, new, width,
+                                 device=device) if new else ():
                 correct[lr, n], val = c[n_val:], c[:n_val].float().mean().item()
                 grid.append({"lr": lr, "updates": n, "val_acc": val,
                              "test_acc": c[n_val:].float().mean().item()})
@@ -457,9 +457,9 @@ def match_kl(kl, kl_se, candidates):
 # ==================================================================================== plumbing
 METRIC_COLUMNS = ["eval_loss", "entropy", "kl", "kl_se"]
 HESSIAN_COLUMNS = ["trace", "trace_std", "adaptive_trace", "weight_norm"]
-PROBE_SETTINGS = ("n_train", "n_test", "data_seed", "probe", "projection", "epochs", "seeds",
+SAME_PROBE_FIELDS = ("n_train", "n_test", "data_seed", "probe", "projection", "epochs", "seeds",
                   "language")
-HESSIAN_SETTINGS = ("n_sentences", "n_samples", "n_repeats", "seed", "sentence_seed")
+SAME_HESSIAN_FIELDS = ("n_sentences", "n_samples", "n_repeats", "seed", "sentence_seed")
 
 
 def checked_task(path, ckpt, lang, task, method):
@@ -621,13 +621,13 @@ def summary_table(run_dirs, min_step=0):
                                                HESSIAN_COLUMNS)}
         for r in hess.values():
             _check_same(seen, "hessian.py settings", name,
-                        {k: r.get(k) for k in HESSIAN_SETTINGS}, os.path.join(run, "hessian.jsonl"))
+                        {k: r.get(k) for k in SAME_HESSIAN_FIELDS}, os.path.join(run, "hessian.jsonl"))
         probes = {}
         for r in _numbers(os.path.join(run, "probe.jsonl"), ("acc", "acc_std"),
                           ("step", "method", "task")):
             setting = setting_name(r)
             _check_same(seen, f"probe.py {setting} settings", name,
-                        {k: r.get(k) for k in PROBE_SETTINGS}, os.path.join(run, "probe.jsonl"))
+                        {k: r.get(k) for k in SAME_PROBE_FIELDS}, os.path.join(run, "probe.jsonl"))
             settings += [] if setting in settings else [setting]
             probes.setdefault(r["step"], {})[setting] = r
         steps = sorted(s for s in set(hess) | set(probes) if s >= min_step)
@@ -673,7 +673,7 @@ def pair_checkpoints(table, setting, spec_a, spec_b):
         return [r for r in table if fnmatch.fnmatchcase(r["group"], group) and r["seed"] == seed
                 and (setting is None or _finite(r.get(f"{setting}_acc")))]
 
-    def at(rows, step, spec):
+    def row_at(rows, step, spec):
         found = [r for r in rows if step == "last" or r["step"] == int(step)]
         if not found:
             raise ValueError(f"--compare {spec}: no probed checkpoint at step {step} in "
@@ -685,9 +685,9 @@ def pair_checkpoints(table, setting, spec_a, spec_b):
                         and rows_of(gb, r["seed"])}, key=lambda s: -1 if s is None else s)
         matches = []
         for seed in seeds:
-            a, rows_b = at(rows_of(group, seed), sa, spec_a), rows_of(gb, seed)
+            a, rows_b = row_at(rows_of(group, seed), sa, spec_a), rows_of(gb, seed)
             if not sb.startswith("kl"):
-                b = at(rows_b, sb, spec_b)
+                b = row_at(rows_b, sb, spec_b)
                 if (b["run"], b["step"]) == (a["run"], a["step"]):
                     raise ValueError(f"--compare {spec_a} {spec_b}: A and B are the same "
                                      f"checkpoint, {a['run']}@{a['step']}")

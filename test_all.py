@@ -4378,16 +4378,16 @@ def test_probe_finetune_learns_first_token_task():
     before = {k: v.clone() for k, v in net.state_dict().items()}
     train_split, short = (tok[128:], lens[128:], y[128:]), lens[:128] < T
     (done, acc), = probe.finetune(net, train_split, (tok[:128], lens[:128], y[:128]), 2, seed=0,
-                               at=(16,), warmup=2)
+                               updates=(16,), warmup=2)
     assert done == 16 and acc.shape == (128,) and acc.float().mean() >= 0.95, acc
     test_narrow = (tok[:128][short, :T - 1], lens[:128][short], y[:128][short])
-    assert next(probe.finetune(net, train_split, test_narrow, 2, seed=0, at=(16,), width=16,
+    assert next(probe.finetune(net, train_split, test_narrow, 2, seed=0, updates=(16,), width=16,
                                warmup=2))[1].float().mean() >= 0.95
     # judged against random labels after 1-2 small updates, which sentences come out right
     # depends on the exact weights: a run judged at 1 and 2 is the run to 2, judged at 1
     test = (tok[:128], lens[:128], torch.randint(0, 2, (128,), generator=g))
-    run = lambda seed, at: [c for _, c in probe.finetune(net, train_split, test, 2, seed, 1e-3,
-                                                        at, warmup=2)]
+    run = lambda seed, updates: [c for _, c in probe.finetune(net, train_split, test, 2, seed,
+                                                             1e-3, updates, warmup=2)]
     (early, late), (alone,), (other,) = run(0, (1, 2)), run(0, (2,)), run(1, (2,))
     assert torch.equal(late, alone) and not torch.equal(early, late)
     assert not torch.equal(other, late)
@@ -4405,7 +4405,7 @@ def test_probe_finetune_head_reads_the_width_asked_for(monkeypatch, width):
     cfg = model.config_from_preset("tf-2m", vocab_size=6 + data.N_SPECIAL, pad_id=data.pad_id(6),
                                    max_len=5, n_layers=1)
     net = model.build(cfg)
-    list(probe.finetune(net, split, split, 2, seed=3, at=(1,), width=width, warmup=1))
+    list(probe.finetune(net, split, split, 2, seed=3, updates=(1,), width=width, warmup=1))
     d = net.features(tok[:1]).shape[-1]
     assert calls == [(5 * d, width, 3)], calls
 
