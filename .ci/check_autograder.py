@@ -39,7 +39,11 @@ score, max_score 1, visibility and words of its output):
              (every test collected and passed) on every      never ran
              pipe, and killing the grader; hessian.py
              leaving a daemon that rewrites results.json;
-             probe.py one that holds the pipes
+             probe.py one that holds the pipes; model.py
+             reading the progress pipe's key (reflection,
+             a format string) and putting a sender of its
+             own in the plugin's place: every test passed,
+             signed (graded where it runs, it wins)
 The hostile submission needs root (the student's code runs as another user): without root this
 check says so and skips that submission only. As root it makes the student's user as setup.sh
 does, and, where that user cannot reach this Python (a folder on its path closed to others),
@@ -389,6 +393,28 @@ def _forge():
 
 
 _forge()
+""",
+    # the progress pipe's key read by reflection and a format string, and a sender of its own
+    # put in the plugin's place: every test reported passed, signed (graded where it runs, as
+    # --grade does, this forgery wins)
+    "model.py": """
+import hashlib
+import hmac
+import json
+import os
+import sys
+_plugin = sys.modules.get("grading_plugin")
+if _plugin is not None:
+    _key, _fd = getattr(_plugin, "_key"), getattr(_plugin, "_fd")
+    assert "{0._key}".format(_plugin) == str(_key)
+
+    def _forged(**row):
+        if row.get("kind") == "report":
+            row.update(outcome="passed", crash="", message="")
+        data = json.dumps(row, sort_keys=True)
+        mac = hmac.new(_key, data.encode(), hashlib.sha256).hexdigest()
+        os.write(_fd, (mac + " " + data + "\\n").encode())
+    setattr(_plugin, "_send", _forged)
 """,
     # a daemon, out of the process group, that rewrites results.json for five minutes
     "hessian.py": """
