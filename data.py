@@ -975,7 +975,8 @@ def _not_data_file(path):
 
 def main(argv=None):
     """Command line (App. A.1): sample one language's sentences, task labels and spec."""
-    spec = [a for a in (argv if argv is not None else sys.argv[1:]) if a.endswith(".json")]
+    spec = [a.split("=")[-1] for a in (argv if argv is not None else sys.argv[1:])
+            if a.endswith(".json")]                                 # --lang F.json, --lang=F.json
     command("data.py", lambda: sample_to_file(argv),
             f"--n or the size of the language in {spec[0]}" if spec else
             "--n or the language's size",

@@ -43,7 +43,7 @@ import train
 
 SENTENCE_SEED = 0            # the same masked sentences for every checkpoint of a run
 DRAW_SEED = 0                # the ỹ draws and the HVP probe vectors
-ROW_VERSION = 2              # rows of release 1 lack adaptive_trace and weight_norm
+ROW_VERSION = 2              # rows without it lack adaptive_trace and weight_norm
 GRAD_FLOATS_PER_CHUNK = 2**25  # ~128 MiB of float32 per-sample gradients per vmap chunk
 
 
@@ -460,7 +460,7 @@ def measure_checkpoint(path, args):
 
 def measured_settings(args):
     """The settings a row records, by which a checkpoint measured already is skipped; a row
-    without this release's `row_version` (one with no adaptive trace or weight norm) is not
+    without the current `row_version` (one with no adaptive trace or weight norm) is not
     one of them, so its checkpoint is measured again."""
     return {"row_version": ROW_VERSION, "n_sentences": args.sentences, "n_samples": args.samples,
             "n_repeats": args.repeats, "device": args.device,

@@ -14,8 +14,8 @@ Interface (used by train.py, hessian.py, probe.py):
 
 Reading order: ModelConfig and PRESETS (the sizes), attention and its fused form (the switch
 FUSED_ATTENTION), initialisation and the padding mask, the transformer's blocks, the LSTM, grow
-with the post-LN blocks it stacks; then the plumbing (config_from_preset, the preset listing). .bench/check_grow.py measures grow() against
-the paper's zero-filled blocks.
+with the post-LN blocks it stacks; then the plumbing (config_from_preset, the preset listing).
+.bench/check_grow.py measures grow() against the paper's zero-filled blocks.
 """
 import argparse
 import math

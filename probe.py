@@ -10,7 +10,7 @@ Reading order:
                       regression to its optimum (L-BFGS), a convergence certificate
   probe_map           an orthonormal map to a common width, for models of unequal width
   tuned_probe         its L2 strength chosen on a validation fifth of the training sentences
-  adamw_probe         the record's probe (Gaussian map, then AdamW for fixed epochs): a bridge
+  adamw_probe         a Gaussian map, then AdamW for fixed epochs: unsolved, scale-sensitive
   sample_efficiency   accuracy over training-set sizes, as one number (a measure with room)
   finetune            the network plus a linear head (App. A.4); tuned_finetune: (lr, updates)
   partial_r2          the trace's partial r² given KL: what flatness explains beyond the loss
@@ -52,7 +52,7 @@ PROBE_TOL = 1e-6        # the solved probe stops at max |gradient| <= this (its 
 PROBE_MAX_ITER = 3000   # L-BFGS iterations at most; a row records what it took
 VALID_SHARE = 5         # the probe's L2 and fine-tuning's (lr, updates) are chosen on the
                         # training split's last 1/VALID_SHARE, never on a test sentence
-PROBES = ("solved", "adamw")   # adamw: the record's probe (adamw_probe), a bridge to it
+PROBES = ("solved", "adamw")   # adamw: adamw_probe, the fixed-epoch AdamW probe
 LINEAR_LR = 1e-3        # adamw_probe: AdamW lr of the linear head
 LINEAR_EPOCHS = 100
 LINEAR_BATCH = 512      # the authors' run_lp.py
@@ -208,7 +208,7 @@ def tuned_probe(x_train, y_train, x_test, y_test, n_classes, seed, width=None):
 def adamw_probe(x_train, y_train, x_test, y_test, n_classes, seed,
                 proj_dim=train.PROJ_DIM, epochs=LINEAR_EPOCHS, lr=LINEAR_LR,
                 batch_size=LINEAR_BATCH):
-    """The record's probe (`--probe adamw`), kept to bridge to the earlier measurements: not
+    """The fixed-epoch AdamW probe (`--probe adamw`), for comparison with the solved one: not
     solved, and its Gaussian map comes before the standardisation, so per-feature scale and the
     optimiser's conditioning reach its answer (linear_probe is the probe) -> (correctness of
     each test prediction, bool [n_test] on the CPU; {}: it has no certificate).
@@ -263,8 +263,8 @@ def sample_efficiency(x_train, y_train, x_test, y_test, probe):
 
 def finetune(model, train_split, test_split, n_classes, seed, lr=3e-3, updates=(160,),
              width=None, warmup=FT_WARMUP, batch_size=FT_BATCH, device="cpu"):
-    """Yields (n, correctness bool [n_test]) after each n of `updates` updates of a copy of the whole
-    network plus a linear head on concat_features (App. A.4) through the probe's map,
+    """Yields (n, correctness bool [n_test]) after each n of `updates` updates of a copy of the
+    whole network plus a linear head on concat_features (App. A.4) through the probe's map,
     probe_map(D, width, seed) (None: the full width D): AdamW at lr after a linear warm-up of
     `warmup` updates, constant after (one run serves every n of `updates`), gradients clipped to
     FT_CLIP, one reshuffle of the training split per pass. `model` is
@@ -495,7 +495,7 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
                      n_seeds=N_SEEDS, solver="solved", width=None, epochs=None, device="cpu",
                      cache=None):
     """Probe one checkpoint on `task` with probe seeds 0..n_seeds-1 (solver: "solved",
-    tuned_probe; "adamw", the record's adamw_probe, its Gaussian map to width): its row."""
+    tuned_probe; "adamw", adamw_probe, its Gaussian map to width): its row."""
     t0 = time.time()
     model, ckpt, lang = train.load_checkpoint(path, device=device, finite=True)
     task, n_classes = checked_task(path, ckpt, lang, task, method)
@@ -562,7 +562,7 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
 
 # ----------------------------------------------------------------------------- the summary
 def setting_name(row):
-    """A probe row's column: `{method}_{task}`, then `_adamw` for the record's probe (a row
+    """A probe row's column: `{method}_{task}`, then `_adamw` for adamw_probe (a row
     without a `probe` field is one), then `_w{width}` where a map set the width."""
     name = f"{row['method']}_{row['task']}"
     if row["method"] != "finetune" and row.get("probe", "adamw") == "adamw":
@@ -621,7 +621,8 @@ def summary_table(run_dirs, min_step=0):
                                                HESSIAN_COLUMNS)}
         for r in hess.values():
             _check_same(seen, "hessian.py settings", name,
-                        {k: r.get(k) for k in SAME_HESSIAN_FIELDS}, os.path.join(run, "hessian.jsonl"))
+                        {k: r.get(k) for k in SAME_HESSIAN_FIELDS},
+                        os.path.join(run, "hessian.jsonl"))
         probes = {}
         for r in _numbers(os.path.join(run, "probe.jsonl"), ("acc", "acc_std"),
                           ("step", "method", "task")):
@@ -904,9 +905,9 @@ def parse_args(argv=None):
     a("--seeds", type=data.int_flag(1, 1000), help=f"probe seeds 0..N-1 (default {N_SEEDS}; "
       "1 for the solved probe at full width, which draws nothing)")
     a("--probe", choices=PROBES, default="solved", help="solved (default): standardised, L2 "
-      "chosen on a validation fifth, solved by L-BFGS; adamw: the record's probe")
+      "chosen on a validation fifth, solved by L-BFGS; adamw: AdamW for fixed epochs")
     a("--width", type=data.int_flag(1, 10 ** 6), help="map the features to this width first "
-      "(solved, fine-tuning: orthonormal; adamw: Gaussian, 512 in the record); default: none")
+      "(solved, fine-tuning: orthonormal; adamw: Gaussian); default: none")
     a("--epochs", type=data.int_flag(1, 10 ** 6), help=f"--probe adamw's epochs (default "
       f"{LINEAR_EPOCHS})")
     a("--device", type=train.device_flag, default="cpu", help="cpu (default) or cuda")

@@ -5543,8 +5543,9 @@ def test_faults_ctrl_c_and_sigterm_in_hessian_and_probe(tmp_path, script, sig):
                                              name="a")))
     ckpts = sorted(str(p) for p in (tmp_path / "a").glob("ckpt_*.pt"))
     extra = (["--task", "3", "--n-train", "100", "--n-test", "50", "--seeds", "1", "--probe",
-              "adamw", "--epochs", "500"] if script == "probe.py" else ["--sentences", "100", "--repeats", "4",
-                                                    "--hvp-sentences", "50", "--fisher-gap", "10"])
+              "adamw", "--epochs", "500"] if script == "probe.py" else
+             ["--sentences", "100", "--repeats", "4", "--hvp-sentences", "50",
+              "--fisher-gap", "10"])
     assert len(ckpts) == 3          # work left after the first row, however slow the signal
     p = subprocess.run([sys.executable, "-c", _CTRL_C, script, *ckpts, *extra],
                        cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,

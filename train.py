@@ -1050,7 +1050,8 @@ def bf16(args, device):
 
 
 def main(argv=None):
-    spec = [a for a in (argv if argv is not None else sys.argv[1:]) if a.endswith(".json")]
+    spec = [a.split("=")[-1] for a in (argv if argv is not None else sys.argv[1:])
+            if a.endswith(".json")]                                 # --lang F.json, --lang=F.json
     data.command("train.py", lambda: train(parse_args(argv)),
                  SIZES.replace("--lang's size", f"the size of the language in {spec[0]}")
                  if spec else SIZES,

@@ -332,6 +332,7 @@ TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 STUDENT = "handout-student"   # the user the autograder runs the student's code as (setup.sh)
 MAX_PROCESSES = 512   # threads included, for that user: torch's and the tests'
 FILE_LIMIT = 1 << 30  # bytes in one file a test process writes (its files go after each run)
+REPLAY_SHARE = 0.25   # of the time left, kept for the replay (it runs the tests, not the exercises)
 
 
 class Runner:
@@ -436,10 +437,11 @@ def run_child(runner, folder, args, work, limit, deadline, spent, known, skip, s
     "results": ...}) and the seconds the tests took to `spent` ({exercise: seconds}). A test is
     given what is left of its exercises' `limit`, and (but in the replay) at most an equal share
     of the time left among the exercises whose tests have not all reported, less a restart for
-    each (so that a hang early leaves time for the last exercise). It ends "done" (pytest said so, or exited), "crashed" (exited during a
-    test), "time" (a test ran past what it was given), "stuck" (no test began in IMPORT_LIMIT
-    seconds) or "deadline" (the clock reached `deadline`); it is stopped then, whatever it left
-    running, and the files it left in its home are removed."""
+    each (so that a hang early leaves time for the last exercise). It ends "done" (pytest said
+    so, or exited), "crashed" (exited during a test), "time" (a test ran past what it was
+    given), "stuck" (no test began in IMPORT_LIMIT seconds) or "deadline" (the clock reached
+    `deadline`); it is stopped then, whatever it left running, and the files it left in its home
+    are removed."""
     home = runner.workspace(work)
     key = secrets.token_bytes(32)
     report_r, report_w = os.pipe()
@@ -565,9 +567,9 @@ def run_tests(folder, args, limit=TIME_LIMIT, timeout=None, runner=None, replay_
             os.chmod(os.path.join(work, "plugin", plugin), 0o644)
         while True:
             before = len(known["results"])
-            ended, current, code, out, given = run_child(runner, folder, args, work, limit, deadline,
-                                                  spent, known, set(known["results"]),
-                                                  out_of_time, replay_env or {})
+            ended, current, code, out, given = run_child(
+                runner, folder, args, work, limit, deadline, spent, known,
+                set(known["results"]), out_of_time, replay_env or {})
             results = known["results"]
             if ended in ("deadline", "stuck"):
                 code = None
@@ -592,9 +594,6 @@ def run_tests(folder, args, limit=TIME_LIMIT, timeout=None, runner=None, replay_
             if all(test in results for test in known["tests"]):
                 break
     return dict(known, code=code, out=out, observed=observed)
-
-
-REPLAY_SHARE = 0.25   # of the time left, kept for the replay (it runs the tests, not the exercises)
 
 
 def record_and_replay(folder, trusted, args, exercises, names, limit, timeout, runner):
