@@ -5,16 +5,13 @@ of a model to the truth (App. A.4) and the Bayes labels of the downstream tasks.
 HMM set) has it by forward-backward, `PCFG` (a grammar in Chomsky normal form: the PCFG set) by
 inside-outside (App. A.2 computes them from the joint). Both have sentences(n, seed),
 mlm_conditional, tasks / n_classes / task_data (tokens, lengths, Bayes labels) and spec (what
-checkpoints store; language_from_spec); their `sample`s differ (an HMM's returns its hidden
-states, a PCFG's drops trees too long), and a PCFG's task_data keeps only sentences where the
-task's span can be a constituent. Words are 0..V-1, then mask_id(V) and pad_id(V).
+checkpoints store; language_from_spec). Words are 0..V-1, then mask_id(V) and pad_id(V).
 
 Reading order: mask_one (and mask_rate, App. E's 15 % rate); the inputs' checks the languages
-make; the samplers and the random grammar; hmm_forward_backward, hmm_state_posterior, HMM;
-inside, outside, pcfg_conditional, PCFG; mlm_entropy; LANGUAGES.
-After the plumbing banner: building a language from its name or spec, and the command line with
-what the later scripts share of it (flag types, whole writes and appends, the JSON rows reader,
-one-line exits).
+make; the samplers and the random grammar; hmm_forward_backward, hmm_state_posterior, HMM; inside,
+outside, pcfg_conditional, PCFG; mlm_entropy; LANGUAGES. After the plumbing banner: a language
+from its name or spec, and the command line with what later scripts share of it (flag types,
+whole writes and appends, the JSON rows reader, one-line exits).
 
 Run (prints the language, its tasks and optimal MLM loss; writes sentences, task labels and
 the spec, read back by torch.load(FILE, weights_only=True)):
@@ -231,12 +228,9 @@ def _layered_grammar(n_symbols, vocab_size, seed, n_levels, rules_per_symbol, p_
         raise ValueError(f"PCFG.random: need 2 <= n_levels <= n_symbols, 2^(n_levels-1) <= "
                          f"max_len, 0 <= p_lexical < 1; got {depth}, {S}, {max_len}, {p_lexical}")
     rng = np.random.default_rng(seed)
-    sizes = [S // depth + (i < S % depth) for i in range(depth)]
-    start = np.cumsum([0] + sizes)
-    level = [np.arange(start[i], start[i + 1]) for i in range(depth)]
-    root = np.zeros(S)
-    root[level[0]] = rng.dirichlet(np.ones(sizes[0]))
-    binary, lexical = np.zeros((S, S, S)), np.zeros((S, V))
+    level = np.array_split(np.arange(S), depth)  # the first S % depth levels one symbol more
+    root, binary, lexical = np.zeros(S), np.zeros((S, S, S)), np.zeros((S, V))
+    root[level[0]] = rng.dirichlet(np.ones(len(level[0])))
     for i in range(depth - 1):
         nxt = level[i + 1]
         n_pairs = len(nxt) ** 2
@@ -348,8 +342,7 @@ class HMM:
         rng = np.random.default_rng(seed)
         states = np.array_split(np.arange(n_states), n_blocks)
         words = np.array_split(np.arange(vocab_size), n_blocks)
-        trans = np.zeros((n_states, n_states))
-        emit = np.zeros((n_states, vocab_size))
+        trans, emit = np.zeros((n_states, n_states)), np.zeros((n_states, vocab_size))
         for hs, ws in zip(states, words):
             trans[hs[:, None], hs] = rng.dirichlet(np.full(len(hs), trans_concentration), len(hs))
             emit[hs[:, None], ws] = rng.dirichlet(np.full(len(ws), emit_concentration), len(hs))
@@ -380,9 +373,7 @@ class HMM:
         (§2.1, App. A.1; hmm_forward_backward; rows sum to 1 as emit's do). Zero at t >= length;
         mask_id(V) words are summed out, so masked model inputs can be passed as they are."""
         p, valid = self._posterior(hmm_forward_backward, tokens, lengths)
-        p = p @ self.emit
-        p[~valid] = 0.0
-        return p
+        return torch.where(valid[..., None], p @ self.emit, 0.0)
 
     def state_posterior(self, tokens, lengths=None):
         """Pr(h_t = h | x) [n, T, S] float64 (hmm_state_posterior; also past the length)."""
@@ -512,6 +503,7 @@ class PCFG:
     from inside(), outside() and pcfg_conditional(), one sentence length at a time."""
 
     TASK_SPAN = {"A": 32, "B": 16, "C": 8}  # App. A.1: the span lengths of tasks A, B, C
+    MIN_KEPT = 1e-3  # below this share of draws kept, sample and task_data give up: no endless loop
 
     def __init__(self, root, binary, lexical, max_len=32, symbols=None, words=None, origin=None,
                  tol=1e-6, span_tasks=None):
@@ -548,21 +540,18 @@ class PCFG:
     @classmethod
     def hierarchy(cls, n_per_level=8, rules_per_symbol=4, n_levels=3, words_per_symbol=1,
                   vocab_size=None, seed=0):
-        """A random hierarchy (the Random Hierarchy Model of Cagnetta, Petrini, Tomasini, Favero
-        and Wyart, 2024, as a CNF PCFG): levels 0..n_levels of `n_per_level` symbols each; the
-        root is uniform over level 0; a level-l symbol (l < n_levels) has `rules_per_symbol`
-        rules A -> B C of probability 1/m onto level l+1, distinct pairs for all symbols of the
-        level (no pair has two parents); each last-level symbol emits `words_per_symbol` of
-        `vocab_size` (default n_per_level) words uniformly, symbol i word i when both are
-        defaults. Every tree is full binary: sentences have 2^n_levels words (numpy, `seed`)."""
-        v, m, k = int(n_per_level), int(rules_per_symbol), int(words_per_symbol)
-        depth = int(n_levels)
-
+        """The Random Hierarchy Model (Cagnetta, Petrini, Tomasini, Favero and Wyart, 2024) as a
+        CNF PCFG: levels 0..n_levels of `n_per_level` symbols; the root uniform over level 0; a
+        level-l symbol (l < n_levels) has `rules_per_symbol` rules A -> B C of probability 1/m
+        onto level l+1, no pair with two parents; a last-level symbol emits `words_per_symbol`
+        of `vocab_size` (default n_per_level) words uniformly (symbol i word i when both are
+        defaults). Every tree is full binary: sentences have 2^n_levels words (numpy, `seed`)."""
+        v, m, k, depth = map(int, (n_per_level, rules_per_symbol, words_per_symbol, n_levels))
         V = v if vocab_size is None else int(vocab_size)
         if not (1 <= m <= v and 1 <= depth <= 5 and 1 <= k <= V):        # distinct pairs: m <= v
             raise ValueError(f"PCFG.hierarchy: need 1 <= rules_per_symbol <= n_per_level, 1 <= "
-                             f"n_levels <= 5, 1 <= words_per_symbol <= vocab_size; got {v}, {m}, "
-                             f"{depth}, {k}, {V}")
+                             f"n_levels <= 5, 1 <= words_per_symbol <= vocab_size; got {m}, {v}, "
+                             f"{depth}, {k}, {V} in that order")
         origin = {"hierarchy": dict(n_per_level=v, rules_per_symbol=m, n_levels=depth,
                                     words_per_symbol=k, vocab_size=V, seed=int(seed))}
         rng = np.random.default_rng(seed)
@@ -586,15 +575,16 @@ class PCFG:
         g = torch.Generator().manual_seed(int(seed))
         toks, lens, got, tries, drawn = [], [], 0, 0, 0
         while got < n:  # next batch: the rest at the kept fraction so far, 20% spare
-            m = max(64, int(1.2 * (n - got) * drawn / max(got, 1)) if got else n + 64)
-            m = min(m, 4 * n + 1000)
+            m = int(1.2 * (n - got) * drawn / got) if got else n + 64
+            m = min(max(64, m), 4 * n + 1000)
             t, l = _grow_sentences(self._root_cdf, self._rule_cdf, self.n_symbols,
                                    self.vocab_size, m, T, g)
             toks.append(t), lens.append(l)
             got, tries, drawn = got + len(l), tries + 1, drawn + m
-            if tries > 50 and got < 0.001 * drawn:
-                raise ValueError(f"fewer than 0.1% of sampled sentences have <= {T} words; "
-                                 f"raise max_len or use a grammar with shorter sentences")
+            if tries > 50 and got < self.MIN_KEPT * drawn:
+                raise ValueError(f"fewer than {self.MIN_KEPT:.1%} of sampled sentences have <= "
+                                 f"{T} words; raise max_len or use a grammar with shorter "
+                                 "sentences")
         return torch.cat(toks)[:n], torch.cat(lens)[:n]
 
     def sentences(self, n, seed=0):
@@ -604,7 +594,7 @@ class PCFG:
     def mlm_conditional(self, tokens, lengths):
         """Exact Pr(x_t = w | x_-t) [n, T, V] float64 (pcfg_conditional) for any lengths; zero
         at t >= length; mask_id words are summed out."""
-        tokens, lengths = self._checked(tokens, lengths)
+        tokens, lengths = _check_sentences("PCFG", tokens, lengths, self.vocab_size)[:2]
         out = torch.zeros(*tokens.shape, self.vocab_size, dtype=torch.float64)
         for rows, length in self._by_length(lengths):
             p = pcfg_conditional(self.root, self.binary, self.lexical, tokens[rows, :length])
@@ -617,7 +607,7 @@ class PCFG:
         """Pr(A spans exactly words [i, j) | x) [n, T+1, T+1, S] float64: the whole chart of
         inside() x outside() / Pr(x) (App. A.1), zero where j > length; what a perfect model of
         the sentence could know of its parse."""
-        tokens, lengths = self._checked(tokens, lengths)
+        tokens, lengths = _check_sentences("PCFG", tokens, lengths, self.vocab_size)[:2]
         T = tokens.shape[1]
         out = torch.zeros(len(lengths), T + 1, T + 1, self.n_symbols, dtype=torch.float64)
         for rows, length in self._by_length(lengths):
@@ -627,9 +617,6 @@ class PCFG:
             outer = outside(self.root, self.binary, chart)
             out[rows, :length + 1, :length + 1] = chart * outer / z[:, None, None, None]
         return out
-
-    def _checked(self, tokens, lengths):
-        return _check_sentences("PCFG", tokens, lengths, self.vocab_size)[:2]
 
     @staticmethod
     def _by_length(lengths):
@@ -651,7 +638,7 @@ class PCFG:
         words [0, min(32 / 16 / 8, length)) for A / B / C, [start, start + width) for a span
         task (zero if the sentence is shorter); rows sum to Pr(the span is a constituent | x)."""
         span = self._span_length(task)
-        tokens, lengths = self._checked(tokens, lengths)
+        tokens, lengths = _check_sentences("PCFG", tokens, lengths, self.vocab_size)[:2]
         start, width = self.span_tasks[task] if span is None else (0, lengths.clamp(max=span))
         end = start + torch.as_tensor(width).expand(len(lengths))
         spans = self.span_posteriors(tokens, lengths)[torch.arange(len(lengths)), start]
@@ -664,8 +651,8 @@ class PCFG:
         span can be a constituent (others are skipped)."""
         self._span_length(task)
         toks, lens, labs, got, tried, rnd = [], [], [], 0, 0, 0
-        while got < n:
-            rate = 1.0 if not tried else max(got / tried, 0.05) if got else 1e-3   # kept so far
+        while got < n:  # rate: the fraction kept so far
+            rate = 1.0 if not tried else max(got / tried, 0.05) if got else self.MIN_KEPT
             cap = 22 * n + 10_000 if got else 2_000       # none kept yet: refused in seconds
             m = min(int(1.1 * (n - got) / rate) + 16, cap)
             t, l = self.sentences(m, seed=((seed + 1) * 1000003 + rnd) % 2 ** 63)  # 63 bits
@@ -673,7 +660,7 @@ class PCFG:
             ok = post.sum(1) > 1e-12
             toks.append(t[ok]), lens.append(l[ok]), labs.append(post[ok].argmax(1))
             got, tried, rnd = got + int(ok.sum()), tried + len(l), rnd + 1
-            if got < n and tried >= 2_000 and 1000 * got < tried:    # never, or almost never
+            if got < n and tried >= 2_000 and got < self.MIN_KEPT * tried:  # (almost) never
                 raise ValueError(f"task {task!r}: only {got} of {tried:,} sentences have its "
                                  f"span as one constituent; it cannot give {n} examples")
         return torch.cat(toks)[:n], torch.cat(lens)[:n], torch.cat(labs)[:n]
@@ -715,18 +702,15 @@ def mlm_entropy(lang, n=1000, seed=0, batch=500):
 
 HMM_SMALL = dict(n_states=20, vocab_size=50, n_blocks=2, length=16)  # "hmm-small": CPU scale
 
-# The CPU-scale PCFG ("pcfg-small"): a grammar a small transformer saturates on one CPU thread.
-# Four levels keep sentences <= 8 words, so tasks A, B, C all name the root; task D, the symbol
-# spanning words [2, 4) (0-based: the third and fourth), is almost a function of its two words:
-# the negative control beside pcfg-deep.
+# The CPU-scale PCFG ("pcfg-small"), which a small transformer saturates on one CPU thread: its
+# sentences have <= 8 words, so tasks A, B, C all name the root; task D, the symbol over words
+# [2, 4) (0-based), is almost a function of its two words: the negative control beside pcfg-deep.
 PCFG_SMALL = dict(n_symbols=10, vocab_size=24, n_levels=4, rules_per_symbol=4,
                   words_per_symbol=12, max_len=8, span_tasks={"D": (2, 2)})
 
-# The hierarchical PCFG ("pcfg-deep"): the Random Hierarchy Model (Cagnetta et al., 2024) written
-# as a CNF grammar, not the paper's App. A.1 grammar. PCFG.hierarchy with n_levels = 3: levels
-# 0..3 of 8 symbols each; a symbol of levels 0..2 has 4 rules A -> B C onto the next level, no
-# pair shared, and each level-3 symbol emits one word. Every sentence has 2^3 = 8 words and one
-# parse, so the root (task A) is a function of all 8 words, far from any one of them.
+# The hierarchical PCFG ("pcfg-deep"): PCFG.hierarchy, the Random Hierarchy Model, not the paper's
+# App. A.1 grammar. Every sentence has 2^3 = 8 words and one parse, so the root (task A) is a
+# function of all 8 words, far from any one of them.
 PCFG_DEEP = dict(n_per_level=8, rules_per_symbol=4, n_levels=3)
 
 LANGUAGES = {                                   # each a function of the language's seed
@@ -770,11 +754,10 @@ def language_from_spec(spec):
         for table, rules in ((binary, spec["binary_rules"]), (lexical, spec["lexical_rules"])):
             for rule in rules:
                 *ids, p = rule
-                n = table.dim()
-                if len(ids) != n or not all(type(i) is int and 0 <= i < d
-                                            for i, d in zip(ids, table.shape)):
-                    raise ValueError(f"rule {rule!r} must be {n} ids (symbols < {S}, words < {V})"
-                                     f" and a probability")
+                if len(ids) != table.dim() or not all(type(i) is int and 0 <= i < d
+                                                      for i, d in zip(ids, table.shape)):
+                    raise ValueError(f"rule {rule!r} must be {table.dim()} ids (symbols < {S}, "
+                                     f"words < {V}) and a probability")
                 if table[tuple(ids)] != 0:
                     raise ValueError(f"rule {ids} is listed twice")
                 table[tuple(ids)] = float(p)
@@ -788,7 +771,6 @@ def language_from_spec(spec):
 
 
 def _check_count(v, name):
-    """`v` if it is an integer >= 1 (not a bool), else a ValueError naming it."""
     if type(v) is not int or v < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     return v
@@ -976,7 +958,7 @@ def _not_data_file(path):
 def main(argv=None):
     """Command line (App. A.1): sample one language's sentences, task labels and spec."""
     spec = [a.split("=")[-1] for a in (argv if argv is not None else sys.argv[1:])
-            if a.endswith(".json")]                                 # --lang F.json, --lang=F.json
+            if a.endswith(".json")]                             # a spec file: LANG F.json
     command("data.py", lambda: sample_to_file(argv),
             f"--n or the size of the language in {spec[0]}" if spec else
             "--n or the language's size",
@@ -999,8 +981,7 @@ def sample_to_file(argv=None):
     args = p.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    bad = unwritable(args.out, "--out") or _not_data_file(args.out)
-    if bad:  # before any sampling: a bad --out would otherwise fail after minutes of work
+    if bad := unwritable(args.out, "--out") or _not_data_file(args.out):  # before minutes of work
         p.error(bad)
     try:
         lang = build_language(args.kind, args.seed)
@@ -1011,8 +992,7 @@ def sample_to_file(argv=None):
     except ValueError as e:  # a grammar whose sentences are (almost) never short enough
         p.error(f"{args.kind}: {e}")
     print(f"{lang!r}: {args.n} sentences, mean length {lengths.double().mean():.2f}")
-    out = {"spec": lang.spec(), "seed": args.seed, "tokens": tokens, "lengths": lengths,
-           "labels": {}}
+    out = dict(spec=lang.spec(), seed=args.seed, tokens=tokens, lengths=lengths, labels={})
     for task in lang.tasks:  # seed + 1: not the sentences above; all tasks draw from one stream
         t, l, y = lang.task_data(task, args.n, seed=args.seed + 1)
         out["labels"][task] = {"tokens": t, "lengths": l, "labels": y}

@@ -38,8 +38,7 @@ ZERO_LOSS_TOL = 1e-12            # "zero" MLM / downstream loss
 SEARCH_RUNS = 3                  # random initialisations of the flattest search
 SEARCH_OUTER = 8                 # augmented-Lagrangian rounds (multipliers, balance, new Adam)
 SEARCH_INNER = 100               # Adam steps per round
-SEARCH_LR = 0.05                 # Adam lr of round 0, times SEARCH_DECAY per round
-SEARCH_DECAY = 0.7
+SEARCH_LR, SEARCH_DECAY = 0.05, 0.7   # Adam lr of round 0, times SEARCH_DECAY per round
 SEARCH_TOL = 1e-2                # trace/bound - 1 below this counts as "reaches the bound"
 FAILURE_DRAWS = 20000            # draws of the n downstream samples
 RF_WIDTH_FACTORS = (1, 2, 4)     # "several m" for solution (2)
@@ -64,9 +63,8 @@ def encode(brackets, mask_pos=None, mask_sign=None):
 def pretraining_support(T, seed=0):
     """The MLM distribution of Sec. 5 as (X [N,T,2T], y [N]): T/2 "(" and T/2 ")" in a uniform
     order, one uniform position t masked with a uniform sign sigma (`encode`); y = g*(x) = #"(" -
-    #")" among the visible tokens, -1 if the masked bracket is "(" (the paper's sign is the
-    opposite; all is symmetric under y -> -y). T <= ENUM_MAX_T: the whole support, C(T,T/2)*T*2
-    points (240 at T = 6) of weight 1/N each, so means are exact; above, SAMPLED_SUPPORT draws."""
+    #")" among the visible tokens, -1 if the masked bracket is "(" (the paper's sign flipped).
+    T <= ENUM_MAX_T: all C(T,T/2)*T*2 points (240 at T = 6), weight 1/N; else SAMPLED_SUPPORT."""
     if T <= ENUM_MAX_T:
         sentences = torch.tensor([s for s in itertools.product((1.0, -1.0), repeat=T)
                                   if sum(s) == 0], dtype=DTYPE)            # "(" = +1, ")" = -1
@@ -273,8 +271,7 @@ def flattest_search_run(T, m, X, y, seed, outer=SEARCH_OUTER, inner=SEARCH_INNER
     lambda += mu r, mu *= 3 and `balance`. At the end `fit_u` makes the loss exactly 0."""
     g = torch.Generator().manual_seed(seed)
     d = 2 * T
-    Q = torch.randn(d, d, generator=g, dtype=DTYPE) / math.sqrt(d)
-    K = torch.randn(d, d, generator=g, dtype=DTYPE) / math.sqrt(d)
+    Q, K = (torch.randn(d, d, generator=g, dtype=DTYPE) / math.sqrt(d) for _ in range(2))
     V = torch.randn(m, d, generator=g, dtype=DTYPE) * math.sqrt(T)
     params = fit_u({"Q": Q, "K": K, "V": V, "u": torch.zeros(m, dtype=DTYPE)}, X, y)
     scale, bound = math.sqrt(m), lower_bound(T, m)
@@ -383,8 +380,7 @@ def failure_probability_exact(T, n):
 # ========== plumbing: the claims, the command line ==========
 def check_args(T, m, n, seed=0, threads=1):
     """Raise one ValueError naming every argument outside Thm 5.1's setting (T even >= 6, m >= 2
-    or None for the default, n >= 1) or the command line's (seed, threads, sizes this machine
-    can hold: T <= 1000, m <= 2^20, n <= 10^6)."""
+    or None for the default, n >= 1) or the sizes, seeds and threads the command line takes."""
     bad = [f"--{k} must be {'even and ' if k == 'T' else ''}in {lo}..{hi} ({why}), got {v}"
            for k, v, lo, hi, why in (
                ("T", T, 6, 1000, "Thm 5.1 assumes T >= 6; sentences need T/2 of each bracket"),
@@ -397,9 +393,8 @@ def check_args(T, m, n, seed=0, threads=1):
 
 
 def run_checks(T, m, n, seed, log=print):
-    """Every claim: (the --json object, [(claim, ok, text)], seconds). ok is None (N/A) on the
-    random-features lines where m < rf_min_width(T) makes zero loss impossible."""
-    check_args(T, m, n, seed)
+    """Every claim, for arguments check_args accepts: (the --json object, [(claim, ok, text)],
+    seconds); ok is None (N/A) where random features narrower than rf_min_width(T) cannot fit."""
     t0 = time.time()
     X, y = pretraining_support(T, seed)
     Xd, gd = downstream_population(T, seed)

@@ -8,7 +8,7 @@ log-probabilities, eval mode, and the plain-ops LSTM that torch.func and double 
   weight_norms         the scale a trace is measured at
 
   fisher_gap           what that estimate leaves out away from saturation (Hutchinson probes)
-  gradient_covariance  Lemma 3.2 (noise covariance = Hessian at a minimiser) on a toy softmax
+  gradient_covariance  the covariance of SGD's gradient noise, on a toy softmax model
   lemma_3_2_check      Lemma 3.2 on it: the noise covariance is the Hessian at a minimiser
   sgd_demo             Theorem 3.3: SGD drifts along the minimisers towards a smaller trace
 Then the command line. Every measure runs in eval mode (dropout off).
@@ -141,7 +141,7 @@ class FunctionalLSTM(nn.Module):
         return torch.stack(outs, dim=1)
 
     def forward(self, x):
-        """(output [B, T, D·H], None): model.py reads only the output."""
+        """(output [B, T, 2H] (H if one direction), None): model.py reads only the output."""
         for layer in range(self.num_layers):
             x = torch.cat([self._direction(x, layer, s)
                            for s in ["", "_reverse"][:1 + self.bidirectional]], dim=-1)
@@ -173,11 +173,10 @@ def vmappable(net):
 
 # =============================================================== §4, App. B.2: the trace estimator
 def sq_grad_norms(net, inputs, positions, labels, chunk_size=None, scaled=False):
-    """‖∇_θ log p_θ(y_k | x_-t_k)‖² for each pair k, float64 [K] (App. B.2), eval mode: vmap over
-    the pairs of grad of one pair's log-probability (torch.func), `chunk_size` pairs at a time
-    (default: ~128 MiB of per-sample gradients, at most 512); scaled=True: ‖θ ⊙ ∇_θ ...‖²
-    (adaptive_trace). inputs [K, T], positions [K], labels [K]. A pair that occurs several
-    times (a likely ỹ drawn again for one sentence) is computed once: the same numbers."""
+    """‖∇_θ log p_θ(y_k | x_-t_k)‖² for each pair k, float64 [K] (App. B.2), eval mode: vmap
+    (torch.func) of one pair's grad, `chunk_size` pairs at a time (default: GRAD_FLOATS_PER_CHUNK
+    floats, at most 512); scaled=True: ‖θ ⊙ ∇_θ ...‖² (adaptive_trace). inputs [K, T], positions
+    [K], labels [K]. A repeated pair (a likely ỹ drawn again) is computed once: same numbers."""
     key = torch.cat([inputs, positions[:, None], labels[:, None]], 1).cpu()
     key, copy_of = torch.unique(key, dim=0, return_inverse=True)
     key = key.to(inputs.device)
@@ -253,9 +252,8 @@ def adaptive_trace(model, inputs, positions, n_samples=10, seed=0):
 
 
 def weight_norms(model):
-    """(‖θ‖, {tensor kind: its norm over every block}) of the trainable parameters, the kinds
-    named without the block index ("blocks.3.mlp.fc.weight" -> "blocks.mlp.fc.weight"): the
-    scale a trace is measured at."""
+    """(‖θ‖, {tensor kind: its norm over every block}) of the trainable parameters, a kind named
+    without the block index ("blocks.3.mlp.fc.weight" -> "blocks.mlp.fc.weight")."""
     squares = {}
     for name, p in _params_and_buffers(model)[0].items():
         kind = re.sub(r"\.\d+\.", ".", name)
@@ -375,8 +373,7 @@ def gradient_covariance(theta, shape_a, shape_b, pi, p_true):
 
 
 def lemma_3_2_check(seed=0):
-    """Lemma 3.2 on the toy: max |Cov[∇ℓ] - ∇²L| at a minimiser on Γ, (2 A*, B*/2), where it is
-    zero up to rounding, and off Γ, (A*, 2 B*), where it is not -> (at, off), two floats."""
+    """Lemma 3.2: max |Cov[∇ℓ] - ∇²L| at (2 A*, B*/2) on Γ (~0), at (A*, 2 B*) off Γ: (on, off)."""
     A, B, pi = softmax_teacher(seed=seed)
     p_true, shapes = torch.softmax(A @ B, -1), (A.shape, B.shape)
     gaps = []
@@ -390,12 +387,10 @@ def lemma_3_2_check(seed=0):
 def sgd_demo(steps=20_000, lr=0.05, balance=2.0, n_rows=10, seed=0, log=None):
     """Theorem 3.3: SGD with one fresh sample per step, started on Γ at the unbalanced minimiser
     (balance·A*, B*/balance), stays near Γ (L within a small, noise-driven gap of the entropy)
-    and drifts toward smaller Tr[∇²L].
-    Returns rows (step, loss - entropy, Tr[∇²L]); `log` prints each row."""
+    and drifts toward smaller Tr[∇²L] -> rows (step, loss - entropy, Tr[∇²L]); `log` prints each."""
     A, B, pi = softmax_teacher(seed=seed)
-    p_true = torch.softmax(A @ B, -1)
+    p_true, shapes = torch.softmax(A @ B, -1), (A.shape, B.shape)
     entropy = -(pi[:, None] * p_true * p_true.log()).sum().item()
-    shapes = (A.shape, B.shape)
     theta = torch.cat([(balance * A).reshape(-1), (B / balance).reshape(-1)])
     gen = torch.Generator().manual_seed(seed + 1)
     contexts = torch.multinomial(pi, steps, replacement=True, generator=gen)
@@ -459,9 +454,8 @@ def measure_checkpoint(path, args):
 
 
 def measured_settings(args):
-    """The settings a row records, by which a checkpoint measured already is skipped; a row
-    without the current `row_version` (one with no adaptive trace or weight norm) is not
-    one of them, so its checkpoint is measured again."""
+    """The settings a row records, by which a checkpoint measured already is skipped (a row
+    without the current `row_version`, no adaptive trace or weight norm, is measured again)."""
     return {"row_version": ROW_VERSION, "n_sentences": args.sentences, "n_samples": args.samples,
             "n_repeats": args.repeats, "device": args.device,
             **({"fisher_gap_probes": args.fisher_gap,       # HVPs on at most --sentences

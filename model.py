@@ -8,7 +8,7 @@ Interface (used by train.py, hessian.py, probe.py):
     config = config_from_preset("tf-2m", vocab_size=V + 2, pad_id=V + 1, max_len=32)
     net = build(config)             # nn.Module with .config
     logits = net(tokens)            # [B, T, vocab_size]; tokens == config.pad_id are padding
-    logits = net(tokens, at)        # [B, vocab_size] at position at[b] of row b (the MLM step)
+    logits = net(tokens, masked_at)  # [B, vocab_size]: row b at masked_at[b] (the MLM step)
     h = net.features(tokens)        # [B, T, d], the last-layer representations probes read
     big = grow(net, width=2, extra_layers=1)   # same logits, 2x heads/width, one more block
 
@@ -51,10 +51,9 @@ class ModelConfig:
     head_dim: int = HEAD_DIM  # transformer only: the paper's (BERT's) 64; 32 in tf-small, tf-deep
 
     def __post_init__(self):
-        if self.arch not in ARCHS:
-            raise ValueError(f"ModelConfig: arch must be one of {ARCHS}, got {self.arch!r}")
-        if self.ln not in LNS:
-            raise ValueError(f"ModelConfig: ln must be one of {LNS}, got {self.ln!r}")
+        for name, value, allowed in (("arch", self.arch, ARCHS), ("ln", self.ln, LNS)):
+            if value not in allowed:
+                raise ValueError(f"ModelConfig: {name} must be one of {allowed}, got {value!r}")
         for name in ("vocab_size", "max_len", "n_layers", "n_heads", "lstm_hidden", "head_dim"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -62,7 +61,6 @@ class ModelConfig:
         if not (isinstance(self.pad_id, int) and 0 <= self.pad_id < self.vocab_size):
             raise ValueError(f"ModelConfig: pad_id must be in [0, vocab_size={self.vocab_size}), "
                              f"got {self.pad_id!r} (data.py: pad_id(V) = V + 1)")
-
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"ModelConfig: dropout must be in [0, 1), got {self.dropout!r}")
 
@@ -74,9 +72,8 @@ class ModelConfig:
 
 # Sizes (§2.2: transformers 2M-730M, LSTMs 10M-135M; the shapes are ours). The paper-scale
 # presets (-2m ... -730m) are named for their parameter count, within 5%, at their family's
-# REFERENCE vocabulary (BERT's 30,522 tokens and 128 positions; the paper's HMM, 200 words + 2
-# special tokens); the CPU presets for the language they saturate. On a small vocabulary a
-# transformer is much smaller: train.py prints the count (tf-deep: 201,354 on pcfg-deep).
+# REFERENCE vocabulary (BERT's; the paper's HMM), the CPU presets for the language they saturate.
+# On a small vocabulary a transformer is much smaller (train.py: tf-deep 201,354 on pcfg-deep).
 REFERENCE = {"transformer": dict(vocab_size=30522, pad_id=0, max_len=128),
              "lstm": dict(vocab_size=202, pad_id=201, max_len=32)}
 PRESETS = {
@@ -115,8 +112,7 @@ def attention(q, k, v, keep):
 
 
 def fast_attention(q, k, v, keep, dropout=0.0):
-    """attention() through PyTorch's fused kernel (plus attention dropout while training), taken
-    when FUSED_ATTENTION is True or dropout > 0; held equal to the plain form by the tests."""
+    """attention() through PyTorch's fused kernel, plus attention dropout while training."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :],
                                           dropout_p=dropout)
 
@@ -192,10 +188,11 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.d, eps=LN_EPS)
         self.mlp = MLP(config)
 
-    def forward(self, h, keep, at=None):
-        """h' [B, T, d]; with `at` [B] (a position per row), only h'[b, at[b]]: [B, d]. The MLP
-        is position-wise, so it may skip the rows no one reads (attention reads them all)."""
-        rows = slice(None) if at is None else (torch.arange(len(at), device=at.device), at)
+    def forward(self, h, keep, masked_at=None):
+        """h' [B, T, d], or with `masked_at` [B] only h'[b, masked_at[b]], [B, d]: the MLP is
+        position-wise, so it may skip the rows no one reads (attention reads them all)."""
+        rows = (slice(None) if masked_at is None
+                else (torch.arange(len(masked_at), device=masked_at.device), masked_at))
         if self.pre:
             h = h + self.attn(self.ln_1(h), keep)
             h = h[rows]
@@ -222,28 +219,26 @@ class Transformer(nn.Module):
         self.out_bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.apply(_init_weights)
 
-    def features(self, tokens, at=None):
-        """h_L: last-layer representations [B, T, d]; with `at` (a position per row, [B]) only
-        h_L[b, at[b]], [B, d]: the last block's MLP then runs on B rows, not B * T."""
+    def features(self, tokens, masked_at=None):
+        """h_L: last-layer representations [B, T, d]; with `masked_at` (a position per row, [B])
+        only h_L[b, masked_at[b]], [B, d]: the last block's MLP then runs on B rows, not B * T."""
         keep = _keep_mask(tokens, self.config)
         pos = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.drop(self.ln_emb(self.wte(tokens) + self.wpe(pos)))  # (B, T, d)
         for i, block in enumerate(self.blocks):
-            h = block(h, keep, at if i == len(self.blocks) - 1 else None)
+            h = block(h, keep, masked_at if i == len(self.blocks) - 1 else None)
         return self.ln_f(h) if self.ln_f is not None else h
 
-    def forward(self, tokens, at=None):
-        """Logits h_L W_E^T + b, [B, T, vocab_size]; with `at` [B], at those positions: [B,
-        vocab_size] (the MLM loss of one masked word per sentence reads no other)."""
-        return self.features(tokens, at) @ self.wte.weight.T + self.out_bias
+    def forward(self, tokens, masked_at=None):
+        """Logits h_L W_E^T + b, [B, T, vocab_size]; with `masked_at` [B], at those positions:
+        [B, vocab_size] (the MLM loss of one masked word per sentence reads no other)."""
+        return self.features(tokens, masked_at) @ self.wte.weight.T + self.out_bias
 
 
 class LSTM(nn.Module):
-    """Bidirectional LSTM masked LM (the paper's HMM models, §2.2). Parameters (hessian.py may
-    re-implement the recurrence from them): embed.weight [vocab, H]; lstm = nn.LSTM(H, H,
-    n_layers, bidirectional=True, batch_first=True) with PyTorch's weight_ih_l{k}[_reverse]
-    [4H, in_k] (in_0 = H, else 2H), weight_hh_l{k}[_reverse] [4H, H], bias_ih / bias_hh [4H],
-    gates in PyTorch's order (i, f, g, o); head.weight [vocab, 2H], head.bias [vocab]. Features:
+    """Bidirectional LSTM masked LM (the paper's HMM models, §2.2): embed [vocab, H], then
+    nn.LSTM(H, H, n_layers, bidirectional) with PyTorch's parameter names and gate order
+    (i, f, g, o: hessian.py's FunctionalLSTM re-implements it), then head [vocab, 2H]. Features:
     the top layer's [forward, backward] states, d = 2H. Padding is a suffix (data.py's
     convention); padded rows are packed, so the backward direction starts at the last real token."""
 
@@ -271,11 +266,11 @@ class LSTM(nn.Module):
         return nn.utils.rnn.pad_packed_sequence(out, batch_first=True,
                                                 total_length=tokens.shape[1])[0]
 
-    def forward(self, tokens, at=None):
-        """Logits [B, T, vocab_size]; with `at` [B], only at position at[b] of row b: [B, vocab]."""
+    def forward(self, tokens, masked_at=None):
+        """Logits [B, T, vocab_size], or with `masked_at` [B] only at masked_at[b]: [B, vocab]."""
         h = self.features(tokens)
-        if at is not None:
-            h = h[torch.arange(len(at), device=at.device), at]
+        if masked_at is not None:
+            h = h[torch.arange(len(masked_at), device=masked_at.device), masked_at]
         return self.head(self.drop(h))
 
 
@@ -430,9 +425,7 @@ def preset_n_params(name):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="List model.py's size presets (App. B.1).")
-
-    parser.parse_args(argv)
+    argparse.ArgumentParser(description="List model.py's size presets (App. B.1).").parse_args(argv)
     for name in PRESETS:
         ref = REFERENCE[PRESETS[name]["arch"]]
         print(f"{name:10s} {preset_n_params(name):>13,d} parameters "

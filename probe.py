@@ -23,8 +23,7 @@ After the banner, the plumbing: one checkpoint's row, the summary table, the com
 
 Each probed checkpoint appends a row to runs/NAME/probe.jsonl (acc, acc_std over probe seeds,
 n_correct: per test sentence, how many seeds got it right); `--summary` joins the rows of
-train.py, hessian.py and probe.py. `--method onehot` and `--method chart` read the language, not
-the network: its one-hot words, a PCFG's exact chart of span posteriors.
+train.py, hessian.py and probe.py; `--method onehot` and `chart` read the language, not the network.
 """
 import argparse
 import copy
@@ -50,26 +49,18 @@ CURVE_POINTS = 6        # curve: the linear probe on n_train / 2^5, ..., n_train
 L2_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)   # the solved probe's L2 strengths, fixed before the runs
 PROBE_TOL = 1e-6        # the solved probe stops at max |gradient| <= this (its certificate)
 PROBE_MAX_ITER = 3000   # L-BFGS iterations at most; a row records what it took
-VALID_SHARE = 5         # the probe's L2 and fine-tuning's (lr, updates) are chosen on the
-                        # training split's last 1/VALID_SHARE, never on a test sentence
+VALID_SHARE = 5   # L2, fine-tuning's (lr, updates): chosen on training's last 1/VALID_SHARE
 PROBES = ("solved", "adamw")   # adamw: adamw_probe, the fixed-epoch AdamW probe
-LINEAR_LR = 1e-3        # adamw_probe: AdamW lr of the linear head
-LINEAR_EPOCHS = 100
-LINEAR_BATCH = 512      # the authors' run_lp.py
-# Fine-tuning's grid, fixed before the runs: each checkpoint takes the (lr, updates) of best
-# accuracy on its validation split (the paper's
-# one recipe, lr 1e-4 for ~8k updates on 0.1M examples, has no CPU-sized counterpart); a choice
-# on its edge widens it there, FT_EXTEND times at most (rows say if it stays there)
+LINEAR_LR, LINEAR_EPOCHS, LINEAR_BATCH = 1e-3, 100, 512   # adamw_probe's; batch: run_lp.py
+# Fine-tuning's grid (tuned_finetune), fixed before the runs: the paper's one recipe, lr 1e-4 for
+# ~8k updates on 0.1M examples, has no CPU-sized counterpart
 FT_LRS = (3e-3, 1e-2, 3e-2)
 FT_UPDATES = (160, 320, 640, 1280, 2560, 5120)   # one constant-lr run per lr, judged at each
 FT_EXTEND = 1
-FT_WARMUP = 100         # warm-up steps, then the lr stays
-FT_BATCH = 128          # the authors' run_ft.py
-FT_CLIP = 1.0
+FT_WARMUP, FT_BATCH, FT_CLIP = 100, 128, 1.0   # warm-up steps, then the lr stays; batch: run_ft.py
 WEIGHT_DECAY = 0.01     # AdamW weight decay for both (the BERT recipe's value)
 N_SEEDS = 5             # probe seeds: a seed changes the projection, head init and batch order
-N_TRAIN = 4000          # CPU-small default; the paper uses 0.1M examples per task
-N_TEST = 2000
+N_TRAIN, N_TEST = 4000, 2000   # CPU-small defaults; the paper uses 0.1M examples per task
 DATA_SEED = 0           # one downstream sample for every checkpoint and probe seed
 FEATURE_BATCH = 512     # sentences per forward pass when extracting frozen features
 
@@ -196,12 +187,11 @@ def tuned_probe(x_train, y_train, x_test, y_test, n_classes, seed, width=None):
     scores, worst, answers, init = {}, {"grad_max": 0.0, "iterations": 0}, {}, None
     for l2 in sorted(L2_GRID, reverse=True):     # strong to weak, each from the last: the path
         correct, cert = linear_probe(*fit, *val, n_classes, l2, R, init)
-        scores[l2], answers[l2] = correct.double().mean().item(), (cert.get("W"), cert.get("b"))
-        init = answers[l2] if cert.get("W") is not None else None
+        scores[l2] = correct.double().mean().item()
+        answers[l2] = init = (cert["W"], cert.get("b")) if cert.get("W") is not None else None
         worst = {k: max(worst[k], cert[k]) for k in worst}
     l2 = max(L2_GRID, key=lambda l2: (scores[l2], l2))    # a tie: the stronger penalty
-    init = answers[l2] if answers[l2][0] is not None else None
-    correct, cert = linear_probe(x_train, y_train, x_test, y_test, n_classes, l2, R, init)
+    correct, cert = linear_probe(x_train, y_train, x_test, y_test, n_classes, l2, R, answers[l2])
     return correct, {"l2": l2, **{k: max(worst[k], cert[k]) for k in worst}}
 
 
@@ -210,18 +200,16 @@ def adamw_probe(x_train, y_train, x_test, y_test, n_classes, seed,
                 batch_size=LINEAR_BATCH):
     """The fixed-epoch AdamW probe (`--probe adamw`), for comparison with the solved one: not
     solved, and its Gaussian map comes before the standardisation, so per-feature scale and the
-    optimiser's conditioning reach its answer (linear_probe is the probe) -> (correctness of
-    each test prediction, bool [n_test] on the CPU; {}: it has no certificate).
+    optimiser's conditioning reach its answer (linear_probe is the probe). Inputs and output as
+    linear_probe's, with {} for the certificate (it has none).
 
-    x_train [n, D], x_test [m, D] features (concat_features), y_* class ids < n_classes. One
-    torch.Generator seeded `seed` draws, in this order: the projection R [D, proj_dim]
+    One torch.Generator seeded `seed` draws, in this order: the projection R [D, proj_dim]
     (train.gaussian_projection; proj_dim None: none, as the authors' released probe), the head
     W [n_classes, k] then b [n_classes] uniform in ±1/sqrt(k) (nn.Linear's init, k the width),
     and a permutation of the training split per epoch. Both splits are standardised with the
-    training split's statistics (train.standardise: the same classifiers, but the fixed lr then
-    means the same for every model). AdamW (lr, WEIGHT_DECAY) minimises the cross-entropy of
-    softmax(x Wᵀ + b) on mini-batches of `batch_size`, `epochs` times; a test sentence is
-    correct where argmax(x Wᵀ + b) is its label."""
+    training split's statistics (train.standardise: the fixed lr then means the same for every
+    model); AdamW (lr, WEIGHT_DECAY) minimises the cross-entropy on mini-batches of
+    `batch_size`, `epochs` times."""
     g = torch.Generator().manual_seed(seed)
     device = x_train.device
     if proj_dim is not None:
@@ -267,8 +255,8 @@ def finetune(model, train_split, test_split, n_classes, seed, lr=3e-3, updates=(
     whole network plus a linear head on concat_features (App. A.4) through the probe's map,
     probe_map(D, width, seed) (None: the full width D): AdamW at lr after a linear warm-up of
     `warmup` updates, constant after (one run serves every n of `updates`), gradients clipped to
-    FT_CLIP, one reshuffle of the training split per pass. `model` is
-    unchanged; the global RNG (dropout's) is restored at the end."""
+    FT_CLIP, one reshuffle of the training split per pass. `model` is unchanged; the global RNG
+    (dropout's) is restored at the end."""
     (tok, lengths, y), (tok_test, lengths_test, y_test) = train_split, test_split
     T = max(tok.shape[1], tok_test.shape[1])  # one head for both splits: T·d inputs
     g = torch.Generator().manual_seed(seed)
@@ -323,8 +311,7 @@ def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, width=Non
     kept = torch.load(partial, weights_only=True) if partial and os.path.isfile(partial) else {}
     if kept.get("of") == settings:
         grid, stop = kept["grid"], {float(k): v for k, v in kept["stop"].items()}
-        correct = {tuple(map(float, k.split())): c for k, c in kept["correct"].items()}
-        correct = {(lr, int(n)): c for (lr, n), c in correct.items()}
+        correct = {(float(k.split()[0]), int(k.split()[1])): c for k, c in kept["correct"].items()}
         print(f"[finetune] {len(grid)} grid point(s) kept in {partial}", file=sys.stderr)
     for widened in range(FT_EXTEND + 1):
         for lr in lrs:
@@ -499,7 +486,9 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
     t0 = time.time()
     model, ckpt, lang = train.load_checkpoint(path, device=device, finite=True)
     task, n_classes = checked_task(path, ckpt, lang, task, method)
-    epochs = epochs or LINEAR_EPOCHS if solver == "adamw" and method != "finetune" else None
+    settings = probe_settings(ckpt["step"], task, method, n_train, n_test, n_seeds, solver,
+                              width, epochs)
+    epochs, solved = settings["epochs"], settings["probe"] == "solved"
     cache = {} if cache is None else cache     # downstream data for the language's next ckpt
     key = (json.dumps(lang.spec(), sort_keys=True), task, n_train, n_test)
     if key not in cache:
@@ -524,9 +513,8 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
         by_seed, grid, best, edge = tuned_finetune(model, *cache[key], n_classes, n_seeds,
                                                    width, device, partial)
         os.remove(partial)                              # the row is whole: nothing to continue
-        tuned = {"ft_grid": grid, "ft_choice": best, "ft_at_edge": edge}
-    accs, n_correct = [], torch.zeros(n_test, dtype=torch.float64)   # seeds right, per sentence
-    certificates = []
+        tuned = {"lr": best["lr"], "ft_grid": grid, "ft_choice": best, "ft_at_edge": edge}
+    accs, certificates, n_correct = [], [], torch.zeros(n_test, dtype=torch.float64)
     for s in range(n_seeds):
         def fit(x, y, x_test, y_test):
             if solver == "adamw":
@@ -544,9 +532,7 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
         accs.append(correct.float().mean().item())
         print(f"[probe] {path}: {method} seed {s + 1}/{n_seeds} acc {accs[-1]:.4f} "
               f"({time.time() - t0:.1f}s)", file=sys.stderr, flush=True)
-    solved = solver == "solved" and method != "finetune"
-    return {"ckpt": path, **probe_settings(ckpt["step"], task, method, n_train, n_test, n_seeds,
-                                           solver, width, epochs),
+    return {"ckpt": path, **settings,
             **({"l2": [c["l2"] for c in certificates],       # the solves' certificate
                 "grad_max": max(c["grad_max"] for c in certificates),
                 "iterations": max(c["iterations"] for c in certificates)} if solved else {}),
@@ -554,8 +540,7 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
             "acc_std": float(np.std(accs, ddof=1)) if n_seeds > 1 else None,
             "accs": accs, "data_seed": DATA_SEED, "kind": ckpt["kind"],
             "language": lang.spec()["kind"], "n_classes": n_classes,
-            **({"lr": tuned["ft_choice"]["lr"] if tuned else LINEAR_LR} if not solved else {}),
-            **tuned,
+            **({"lr": LINEAR_LR} if settings["probe"] == "adamw" else {}), **tuned,
             "n_correct": [int(c) if c == int(c) else c for c in n_correct.tolist()],
             "wall_s": round(time.time() - t0, 2)}
 
@@ -584,8 +569,9 @@ def _numbers(path, fields, needs=("step",)):
     return rows
 
 
-def _check_same(seen, what, run, settings, source):
-    """Refuse a run whose settings (a dict, read from file `source`) differ from the first's."""
+def _check_same(seen, what, run, row, fields, source):
+    """Refuse a run whose `fields` of `row` (read from file `source`) differ from the first's."""
+    settings = {k: row.get(k) for k in fields}
     first_run, first = seen.setdefault(what, (run, settings))
     diff = [f"{k} differs" if len(repr(v)) > 40 else f"{k} {v!r} vs {first[k]!r}"
             for k, v in settings.items() if v != first[k]]
@@ -601,7 +587,8 @@ def summary_table(run_dirs, min_step=0):
     row["n_correct"][S], row["n_probe_seeds"][S]. Mixed languages or settings are refused."""
     rows, settings, seen = [], [], {}
     for run in run_dirs:
-        if not os.path.isfile(os.path.join(run, "metrics.jsonl")):
+        jsonl = {f: os.path.join(run, f"{f}.jsonl") for f in ("metrics", "hessian", "probe")}
+        if not os.path.isfile(jsonl["metrics"]):
             inside = sorted(glob.glob(os.path.join(run, "*", "metrics.jsonl")))
             raise ValueError(f"{run} is not a run directory (runs/NAME with metrics.jsonl)" + (
                 f"; it holds {len(inside)} runs: name them, e.g. {os.path.join(run, '*')}"
@@ -614,21 +601,18 @@ def summary_table(run_dirs, min_step=0):
                     language = {"language": json.load(f)["language"]}
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise ValueError(f"{config} is not train.py's config.json") from None
-            _check_same(seen, "config.json", name, language, config)
-        evals = {r["step"]: r for r in _numbers(os.path.join(run, "metrics.jsonl"),
-                                                METRIC_COLUMNS) if "eval_loss" in r}
-        hess = {r["step"]: r for r in _numbers(os.path.join(run, "hessian.jsonl"),
-                                               HESSIAN_COLUMNS)}
+            _check_same(seen, "config.json", name, language, ["language"], config)
+        evals = {r["step"]: r for r in _numbers(jsonl["metrics"], METRIC_COLUMNS)
+                 if "eval_loss" in r}
+        hess = {r["step"]: r for r in _numbers(jsonl["hessian"], HESSIAN_COLUMNS)}
         for r in hess.values():
-            _check_same(seen, "hessian.py settings", name,
-                        {k: r.get(k) for k in SAME_HESSIAN_FIELDS},
-                        os.path.join(run, "hessian.jsonl"))
+            _check_same(seen, "hessian.py settings", name, r, SAME_HESSIAN_FIELDS,
+                        jsonl["hessian"])
         probes = {}
-        for r in _numbers(os.path.join(run, "probe.jsonl"), ("acc", "acc_std"),
-                          ("step", "method", "task")):
+        for r in _numbers(jsonl["probe"], ("acc", "acc_std"), ("step", "method", "task")):
             setting = setting_name(r)
-            _check_same(seen, f"probe.py {setting} settings", name,
-                        {k: r.get(k) for k in SAME_PROBE_FIELDS}, os.path.join(run, "probe.jsonl"))
+            _check_same(seen, f"probe.py {setting} settings", name, r, SAME_PROBE_FIELDS,
+                        jsonl["probe"])
             settings += [] if setting in settings else [setting]
             probes.setdefault(r["step"], {})[setting] = r
         steps = sorted(s for s in set(hess) | set(probes) if s >= min_step)
@@ -644,12 +628,10 @@ def summary_table(run_dirs, min_step=0):
             row.update({c: hess.get(step, {}).get(c) for c in HESSIAN_COLUMNS})
             rows.append((row, probes.get(step, {})))
     for row, probed in rows:
-        row["n_correct"], row["n_probe_seeds"] = {}, {}
-        for s in settings:
-            r = probed.get(s, {})
-            row[f"{s}_acc"], row[f"{s}_acc_std"] = r.get("acc"), r.get("acc_std")
-            row["n_correct"][s], row["n_probe_seeds"][s] = r.get("n_correct"), len(r.get(
-                "seeds", []))
+        got = {s: probed.get(s, {}) for s in settings}
+        row["n_correct"] = {s: r.get("n_correct") for s, r in got.items()}
+        row["n_probe_seeds"] = {s: len(r.get("seeds", [])) for s, r in got.items()}
+        row.update({f"{s}_{k}": r.get(k) for s, r in got.items() for k in ("acc", "acc_std")})
     columns = (["run", "step"] + METRIC_COLUMNS + HESSIAN_COLUMNS
                + [f"{s}_{k}" for s in settings for k in ("acc", "acc_std")])
     return columns, [row for row, _ in rows]
@@ -705,8 +687,7 @@ def pair_checkpoints(table, setting, spec_a, spec_b):
                                  f"other than A's own ({a['run']}@{a['step']}) to pair it with"
                                  + (" at a later step" if sb == "kl-later" else ""))
             matches.append((seed, a, *match_kl(a["kl"], a["kl_se"], candidates)))
-        if matches:
-            groups.append((group, matches))
+        groups += [(group, matches)] if matches else []
     if not groups:
         raise ValueError(f"--compare: no training seed has probed checkpoints in both {ga!r} and "
                          f"{gb!r} (groups: {sorted({r['group'] for r in table})})")
@@ -718,10 +699,11 @@ def _fmt(v):
 
 
 def compare(table, setting, spec_a, spec_b):
-    """(printable lines, [(seed, A's row, B's row, margin or None)]): paired_difference per
-    pair_checkpoints group; with B@kl the margins, next-best matches and same-loss lines."""
+    """(printable lines, [(seed, A's row, B's row, margin or None)]) as §4 reads: the pairs of
+    each pair_checkpoints group, their paired_difference per training seed, its t_interval over
+    seeds, then the lines; with B@kl the margins, next-best matches and same_loss_statistic."""
     acc = f"{setting}_acc"
-    sa = spec_a.rpartition("@")[2]
+    (_, _, step_a), (group_b, _, step_b) = spec_a.rpartition("@"), spec_b.rpartition("@")
 
     def counts(r):
         if not r["n_correct"][setting]:
@@ -735,60 +717,67 @@ def compare(table, setting, spec_a, spec_b):
     lines, pairs = [], []
     for group, matches in pair_checkpoints(table, setting, spec_a, spec_b):
         n_seeds = matches[0][1]["n_probe_seeds"][setting]
-        diffs, ses, mean, se_mean = paired_difference(
+        diffs, ses, mean, se_mean = paired_difference(      # per training seed, B minus A
             [counts(m[1]) for m in matches], [counts(m[2][0]) for m in matches], n_seeds)
-        lines.append(f"paired comparison of {acc}: B = {spec_b} minus A = {group}@{sa}, on the "
-                     f"same test sentences")
-        for (seed, a, ranked, margin), d, se in zip(matches, diffs, ses):
+        seconds = [paired_difference([counts(a)], [counts(ranked[1])], n_seeds)[2]
+                   if len(ranked) > 1 else None for _, a, ranked, _ in matches]   # B's next-best
+        next_best = float(np.mean(seconds)) if None not in seconds else None   # over seeds
+        lo, hi = t_interval(diffs)[2:] if se_mean is not None else (None, None)
+        positive = sum(d > 0 for d in diffs)
+        sides = [{r["seed"] for r in table if fnmatch.fnmatchcase(r["group"], pattern)
+                  and _finite(r.get(acc))} for pattern in (group, group_b)]
+        alone = sorted(sides[0] ^ sides[1], key=str)    # per group: a glob's other groups hide none
+        pairs += [(seed, a, ranked[0], margin, d)
+                  for (seed, a, ranked, margin), d in zip(matches, diffs)]
+
+        lines.append(f"paired comparison of {acc}: B = {spec_b} minus A = {group}@{step_a}, on "
+                     f"the same test sentences")
+        for (seed, a, ranked, margin), d, se, d2 in zip(matches, diffs, ses, seconds):
             b = ranked[0]
-            pairs.append((seed, a, b, margin, d))
             text = (f"  seed {seed}: A {describe(a)}  B {describe(b)}  diff {d:+.4f} ± {se:.4f} "
                     f"(test set)")
             if margin is not None:    # which way a remaining loss difference pushes the accuracy
-                text += (f"; |dKL| = {margin:.1f} se (matched)" if margin < 2 else
-                         f"; |dKL| = {margin:.1f} se (NOT matched: the lower loss is "
-                         f"{'A' if a['kl'] < b['kl'] else 'B'}'s)")
-            if len(ranked) > 1:
-                d2 = paired_difference([counts(a)], [counts(ranked[1])], n_seeds)[2]
+                text += f"; |dKL| = {margin:.1f} se " + ("(matched)" if margin < 2 else
+                        f"(NOT matched: the lower loss is {'A' if a['kl'] < b['kl'] else 'B'}'s)")
+            if d2 is not None:
                 text += f"; next-best B@{ranked[1]['step']}: diff {d2:+.4f}"
             lines.append(text)
-        lo, hi = t_interval(diffs)[2:] if se_mean is not None else (None, None)
         verdict = ("" if se_mean is None else f" ± {se_mean:.4f} (se over seeds; 95 % {lo:+.4f} "
                    f"to {hi:+.4f}) -> " + ("excludes 0: an effect" if lo > 0 or hi < 0 else
                                           "includes 0: no effect detected"))
         lines.append(f"  mean over {len(diffs)} seeds: {mean:+.4f}{verdict}; "
-                     f"{sum(d > 0 for d in diffs)}/{len(diffs)} seeds positive")
-        sides = [{r["seed"] for r in table if fnmatch.fnmatchcase(r["group"], pattern)
-                  and _finite(r.get(acc))} for pattern in (group, spec_b.rpartition("@")[0])]
-        alone = sorted(sides[0] ^ sides[1], key=str)
-        if alone:                           # per group: a glob's other groups hide none
+                     f"{positive}/{len(diffs)} seeds positive")
+        if alone:
             lines.append(f"  left out: training seed(s) {', '.join(map(str, alone))}, probed "
                          f"on one side only")
-        if all(len(m[2]) > 1 for m in matches):
-            next_best = paired_difference([counts(m[1]) for m in matches],
-                                          [counts(m[2][1]) for m in matches], n_seeds)[2]
+        if next_best is not None:
             lines.append(f"  with the next-best KL match instead: {next_best:+.4f}")
-    if not spec_b.rpartition("@")[2].startswith("kl"):
+    if not step_b.startswith("kl"):
         return lines, [p[:4] for p in pairs]
-    # B@kl: same_loss_statistic over the matched pairs, and the direction of the unmatched ones
+    # B@kl: same_loss_statistic over the matched pairs, each trace beside the scale it was
+    # measured at (geometric means of B / A), and the direction of the unmatched pairs
     matched = [(s, d, math.log(b["trace"] / a["trace"])) for s, a, b, margin, d in pairs
                if margin < 2 and _finite(a.get("trace")) and _finite(b.get("trace"))]
-    unmatched = [(a, b, d) for s, a, b, margin, d in pairs if margin >= 2]
-    lines.append(f"same loss, B = {spec_b} minus A = {spec_a}: {len(matched)} matched pairs")
-    if matched:
+    if matched:          # acc_diff's and log_trace_ratio's (mean, se, lo, hi); k of n pairs
         (d, d_se, lo, hi), (r, r_se, _, _), (k, n) = same_loss_statistic(matched)
-        lines[-1] += (f" in {len({s for s, _, _ in matched})} seeds: acc {d:+.4f}" + (
-            f" ± {d_se:.4f} (95 % {lo:+.4f} to {hi:+.4f})" if d_se else "")
-                      + f", log Tr ratio {r:+.3f}" + (f" ± {r_se:.3f}" if r_se else "")
-                      + f" (Tr x{math.exp(r):.2f}); the flatter side is the more accurate in "
-                      f"{k}/{n} pairs")
+        matched_seeds, trace_ratio = len({s for s, _, _ in matched}), math.exp(r)
+    scales = []
     for key, name in (("adaptive_trace", "adaptive Tr"), ("weight_norm", "‖θ‖")):
         logs = [math.log(b[key] / a[key]) for _, a, b, margin, _ in pairs if margin < 2
                 and _finite(a.get(key)) and _finite(b.get(key)) and a[key] > 0 and b[key] > 0]
-        if logs:                       # a trace beside the scale it was measured at
-            lines.append(f"  {name} of B / A over {len(logs)} matched pairs: "
-                         f"x{math.exp(np.mean(logs)):.2f} (geometric mean)")
+        scales += [(name, len(logs), math.exp(np.mean(logs)))] if logs else []
+    unmatched = [(a, b, d) for s, a, b, margin, d in pairs if margin >= 2]
     lower_worse = sum((d > 0) == (a["kl"] < b["kl"]) for a, b, d in unmatched)
+
+    lines.append(f"same loss, B = {spec_b} minus A = {spec_a}: {len(matched)} matched pairs")
+    if matched:
+        lines[-1] += (f" in {matched_seeds} seeds: acc {d:+.4f}"
+                      + (f" ± {d_se:.4f} (95 % {lo:+.4f} to {hi:+.4f})" if d_se else "")
+                      + f", log Tr ratio {r:+.3f}" + (f" ± {r_se:.3f}" if r_se else "")
+                      + f" (Tr x{trace_ratio:.2f}); the flatter side is the more accurate in "
+                      f"{k}/{n} pairs")
+    for name, count, ratio in scales:
+        lines.append(f"  {name} of B / A over {count} matched pairs: x{ratio:.2f} (geometric mean)")
     lines.append(f"  not matched: {len(unmatched)} pairs; in {lower_worse} of them the side with "
                  f"the lower loss is the less accurate")
     return lines, [p[:4] for p in pairs]
@@ -947,17 +936,17 @@ def measure(args, written):
             plot_summary(table, args.plot, pairs)
         return
 
+    how = (args.method, args.n_train, args.n_test, args.seeds, args.probe, args.width, args.epochs)
+
     def settings_of(path):
         ckpt = train.read_checkpoint(path)
         task, _ = checked_task(path, ckpt, data.language_from_spec(ckpt["language"]),
                                args.task, args.method)
-        return probe_settings(ckpt["step"], task, args.method, args.n_train, args.n_test,
-                              args.seeds, args.probe, args.width, args.epochs)
+        return probe_settings(ckpt["step"], task, *how)
     cache = {}
     train.measure_checkpoints(
-        args.paths, "probe.jsonl", settings_of, lambda path: probe_checkpoint(
-            path, args.task, args.method, args.n_train, args.n_test, args.seeds, args.probe,
-            args.width, args.epochs, args.device, cache),
+        args.paths, "probe.jsonl", settings_of,
+        lambda path: probe_checkpoint(path, args.task, *how, args.device, cache),
         written, shown=lambda row: {k: v for k, v in row.items() if k != "n_correct"})
 
 

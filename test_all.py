@@ -1259,8 +1259,9 @@ def test_model_padding_invariance(arch, ln):
 
 @pytest.mark.parametrize("arch,ln", _MODEL_ARCHS)
 def test_model_logits_at_one_position_per_row_equal_every_position(arch, ln):
-    """net(tokens, at) is net(tokens) read at position at[b] of row b (the last block's MLP runs
-    on those rows only), in float64 to rounding, padded rows included; so are its gradients."""
+    """net(tokens, masked_at) is net(tokens) read at position masked_at[b] of row b (the last
+    block's MLP runs on those rows only), in float64 to rounding, padded rows included; so are
+    its gradients."""
     net = _model_randomise(model.build(_model_config(arch, ln)))
     tokens, lengths = _model_tokens()
     at = torch.tensor([0, 11, 3, 0, 1, 2]) % lengths
@@ -2661,7 +2662,7 @@ def test_train_sgd_update_is_theta_minus_lr_grad(tmp_path):
 
 
 def test_train_objective_of_one_masked_word_is_mlm_loss_of_every_position(tmp_path):
-    """The training step reads the logits at the masked position only (model.py's `at`): the
+    """The training step reads the logits at the masked position only (model.py's `masked_at`): the
     same L_MLM as mlm_loss of the logits everywhere, for the LSTM and the transformer."""
     lang = data.build_language(_train_tiny_lang(tmp_path), 0)
     for preset in ("lstm-small", "tf-small"):

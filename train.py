@@ -19,9 +19,10 @@ Writes runs/NAME/: config.json, metrics.jsonl (a JSON row per log step), ckpt_00
 (dicts for torch.load(weights_only=True): all that resuming, hessian.py and probe.py need).
 
 Reading order: the paper's objects (the seeded streams every draw comes from, make_batch,
-mlm_loss, adversarial_loss, make_optimizer, lr_at, evaluate, LookupTable); the plumbing (command
-line, checks, DDP's setup_distributed, run folders, checkpoints, resume and branch); then the
-training loop (train, one_update), which calls both, and main.
+mlm_loss, adversarial_loss, make_optimizer, lr_at, evaluate, LookupTable); the training loop that
+puts them to work (train, train_run, one_update); then the plumbing it calls (start_run with DDP's
+setup_distributed, metrics rows, run folders and checkpoints; the command line, its checks, resume
+and branch; the checkpoint loop hessian.py and probe.py share) and main.
 """
 import argparse
 import contextlib
@@ -148,13 +149,13 @@ def training_objective(objective, inputs, targets, V, args, task_tokens=None, ta
                        n_classes=None, generator=None):
     """(L_MLM, the objective the update minimises, loss_D2 or None) for one batch: L_MLM (§2.1),
     or L_MLM - lambda * loss_D2 for the adversarial algorithm (App. A.4). With one masked word
-    per sentence the network computes the logits at that position only (model.py's `at`)."""
-    at = None                          # --mask-rate: every position's logits
+    per sentence the network computes the logits at that position only (model.py's `masked_at`)."""
+    masked_at = None                   # --mask-rate: every position's logits
     if args.mask_rate is None:         # one masked word per row: the column of its one target,
-        at = (targets != -100).int().argmax(1)   # (B,) found by argmax (nonzero would sync a GPU)
-    logits, feats = objective(inputs, at, task_tokens)
-    if at is not None:                           # (B, 1, vocab) and (B, 1): mlm_loss's shapes
-        logits, targets = logits[:, None], targets.gather(1, at[:, None])
+        masked_at = (targets != -100).int().argmax(1)    # (B,) by argmax (nonzero syncs a GPU)
+    logits, feats = objective(inputs, masked_at, task_tokens)
+    if masked_at is not None:          # (B, 1, vocab) and (B, 1): mlm_loss's shapes
+        logits, targets = logits[:, None], targets.gather(1, masked_at[:, None])
     loss = mlm_loss(logits, targets, V)
     if feats is None:
         return loss, loss, None
@@ -172,8 +173,8 @@ class Objective(nn.Module):
         super().__init__()
         self.net = net
 
-    def forward(self, inputs, at=None, task_tokens=None):
-        logits = self.net(inputs, at)
+    def forward(self, inputs, masked_at=None, task_tokens=None):
+        logits = self.net(inputs, masked_at)
         feats = None if task_tokens is None else self.net.features(task_tokens)
         return logits, feats
 
@@ -295,13 +296,452 @@ class LookupTable(nn.Module):
         return logp.to(tokens.device)
 
 
-# ============= plumbing: command line, checks, setup, metrics rows, checkpoints, resume and branch
+# ======================================== the training loop: the paper's objects above, put to work
+
+@dataclasses.dataclass
+class LossWindow:
+    """Sums over the updates since the last metrics row (averaged over ranks when written)."""
+    loss: float = 0.0
+    updates: int = 0
+    adv_loss: float = 0.0
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything one update, one metrics row and one checkpoint need."""
+    args: argparse.Namespace
+    lang: object
+    net: nn.Module
+    objective: nn.Module          # the net in one forward, maybe compiled and DDP-wrapped
+    opt: torch.optim.Optimizer
+    ev: EvalSet                   # None on ranks > 0
+    dir: str
+    rank: int
+    world: int
+    device: torch.device
+    task: tuple = None            # adversarial: (tokens, labels, n_classes) of the task pool
+    step: int = 0
+    wall0: float = 0.0            # seconds this run ran before its last resume
+    window: LossWindow = dataclasses.field(default_factory=LossWindow)
+    t_start: float = dataclasses.field(default_factory=time.time)
+    t_window: float = dataclasses.field(default_factory=time.time)
+    tokens_window: int = 0
+
+
+def train(args):
+    """Run one training job as the arguments say (see the module docstring)."""
+    check_args(args)
+    torch.set_num_threads(args.threads)
+    fused, model.FUSED_ATTENTION = model.FUSED_ATTENTION, args.fused_attention
+    try:
+        run = start_run(args)                  # None: a lookup table, or a run already complete
+        return os.path.join(args.runs, args.name) if run is None else train_run(run)
+    finally:
+        model.FUSED_ATTENTION = fused               # for this run only
+        while _LOCKS:                               # the run folder is free again
+            _LOCKS.pop().close()
+
+
+def train_run(run):
+    """The loop proper: updates to --steps, with metrics rows and checkpoints on the way."""
+    args, start_step = run.args, run.step
+    with deferred_interrupts() as stop:
+        try:
+            while run.step < args.steps:
+                if stop:
+                    raise KeyboardInterrupt
+                one_update(run)
+                is_ckpt = run.step % args.ckpt_every == 0 or run.step == args.steps
+                is_eval = run.step % args.eval_every == 0 or is_ckpt
+                if is_eval or run.step % args.log_every == 0:
+                    write_row(run, is_eval, start_step)
+                if is_ckpt:
+                    save(run)
+        except KeyboardInterrupt:                     # lose nothing beyond the last update
+            if run.rank == 0 and not os.path.isfile(ckpt_path(run.dir, run.step)):
+                save(run)
+            raise SystemExit(f"train.py: interrupted; saved step {run.step} in "
+                             f"{ckpt_path(run.dir, run.step)}; continue it with: python train.py "
+                             f"--runs {args.runs} --name {args.name} --resume")
+        finally:
+            if run.world > 1 and dist.is_initialized():
+                dist.destroy_process_group()
+    return run.dir
+
+
+def one_update(run):
+    """One optimizer update on this rank's slice of a fresh global batch (§2.1, App. A.3-A.4)."""
+    args, step, device = run.args, run.step, run.device
+    for group in run.opt.param_groups:
+        group["lr"] = lr_at(step, args)
+    inputs, targets = make_batch(run.lang, args, step, args.batch)
+    inputs, targets = inputs[run.rank::run.world], targets[run.rank::run.world]  # DDP: a share
+    task_tokens = task_labels = n_classes = None
+    if run.task is not None:                            # D1 = the first adv_n, D2 the next adv_n
+        tokens, labels, n_classes = run.task
+        idx = torch.randperm(args.adv_pool, generator=generator(args.seed, "adv", step, run.rank))
+        idx = idx[:2 * args.adv_n]
+        task_tokens, task_labels = tokens[idx].to(device), labels[idx].to(device)
+    amp = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16(args, device)
+           else contextlib.nullcontext())
+    with amp:
+        loss, total, adv = training_objective(
+            run.objective, inputs.to(device), targets.to(device), run.lang.vocab_size, args,
+            task_tokens, task_labels, n_classes, generator(args.seed, "proj", step, run.rank))
+    loss_value = loss.item()
+    if not math.isfinite(loss_value) or not math.isfinite(total.item()):
+        last = (list_checkpoints(run.dir) or ["(none yet)"])[-1]
+        raise SystemExit(f"train.py: loss is {loss_value} at step {step + 1}; stopped before the "
+                         f"update. The last good checkpoint is {last}; try a lower --lr")
+    run.opt.zero_grad(set_to_none=True)
+    total.backward()
+    run.opt.step()
+    run.step += 1
+    run.window.loss += loss_value
+    run.window.updates += 1
+    run.window.adv_loss += 0.0 if adv is None else adv.item()
+    run.tokens_window += args.batch * run.lang.max_len
+
+
+def bf16(args, device):
+    """Whether the training step autocasts to bf16 (--precision; "auto": on CUDA only): matmuls
+    in bf16, the weights and AdamW's moments fp32. Exact quantities (the KL, hessian.py, probe.py,
+    data.py) never autocast: bf16's relative error, 4e-3, is on the scale of their KLs."""
+    return args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
+
+
+# ===================== plumbing: a run's setup (DDP's too), metrics rows, checkpoints, command line
 
 # ModelConfig fields --n-layers etc. override (tag in the run name); those an arch ignores.
 SIZE_OVERRIDES = {"n_layers": "l", "n_heads": "nh", "lstm_hidden": "h"}
 SIZE_FIELDS_OF_OTHER_ARCH = {"transformer": {"lstm_hidden"}, "lstm": {"n_heads"}}
 RUNTIME_ARGS = {"threads", "device", "compile", "fused_attention", "precision"}  # resume may change
+SIZES = "--batch, --eval-n, --n-layers, --n-heads, --lstm-hidden, --grow-width or --lang's size"
 
+
+def start_run(args):
+    """The Run and its folder; None when there is nothing to train (lookup, or run complete)."""
+    path = args.resume if args.resume is not None else args.branch_from   # the checkpoint, if any
+    if args.grow_from is None:
+        lang = data.build_language(args.lang, args.lang_seed)
+    elif path is None:                                           # model.grow (App. B.1.3)
+        try:
+            small, source, lang = load_checkpoint(args.grow_from)
+            if source["kind"] != "mlm":
+                raise ValueError(f"a {source['kind']!r} checkpoint has no network")
+            c = small.config                     # the grown sizes (an arch ignores the other's)
+            fits_in_memory(dataclasses.replace(c, n_heads=c.n_heads * args.grow_width,
+                                               n_layers=c.n_layers + args.grow_layers,
+                                               lstm_hidden=c.lstm_hidden * args.grow_width))
+            grown = model.grow(small, width=args.grow_width, extra_layers=args.grow_layers,
+                               seed=stream_seed(args.seed, "init"), split=args.grow_split)
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"train.py: --grow-from: {e}")
+    else:                # a grown run resumed or branched: its own checkpoint, not its source
+        grown, _, lang = load_checkpoint(path)
+    task = None                  # the adversary's downstream sample: D1 and D2 come from it
+    if args.algo == "adversarial":
+        args.task = args.task if args.task is not None else lang.tasks[0]
+        try:
+            n_classes = lang.n_classes(args.task)
+        except ValueError as e:
+            raise SystemExit(f"train.py: unknown --task {args.task!r} for this language: {e}")
+        tokens, _, labels = lang.task_data(args.task, args.adv_pool,
+                                           seed=stream_seed(args.seed, "task"))
+        task = (tokens, labels, n_classes)
+    rank, world = setup_distributed(args)
+    run_dir = os.path.join(args.runs, args.name)
+    net = None if args.algo == "lookup" else grown if args.grow_from else build_model(args, lang)
+    if args.resume is None and list_checkpoints(run_dir):
+        raise SystemExit(f"train.py: {run_dir} already holds checkpoints; pass --resume to "
+                         f"continue that run, or --name NEW for a new one")
+    ckpt = None if path is None else read_checkpoint(path)      # read by parse_args already
+    if ckpt is not None:               # of this language, model and world size
+        diff = [] if ckpt["language"] == lang.spec() else ["its language (the spec differs)"]
+        stored = ckpt.get("model_config")
+        if net is not None and (stored is None or model.ModelConfig(**stored) != net.config):
+            diff.append("its model_config")
+        if ckpt["world"] != world:                 # the adversary draws per (step, rank)
+            diff.append(f"its number of processes ({ckpt['world']}, now {world}: "
+                        f"use torchrun --nproc_per_node={ckpt['world']})")
+        if diff:
+            raise SystemExit(f"train.py: {path}: {'; '.join(diff)} differs from this run's")
+    if args.resume is not None and (net is None or ckpt["step"] >= args.steps):
+        print(f"{run_dir} is complete: {args.resume} is at step {ckpt['step']} of {args.steps} "
+              f"(--steps N, larger, extends a --schedule const run)")
+        return None
+    if (net is not None and net.config.arch == "lstm" and args.device == "cpu"
+            and bf16(args, torch.device("cpu")) and not cpu_has_bf16()):
+        raise SystemExit("train.py: --precision bf16: PyTorch's bf16 LSTM on a CPU needs bf16 "
+                         "units (avx512_bf16, amx), which this CPU lacks; use --precision fp32")
+    ev = make_eval_set(lang, args.eval_n) if rank == 0 else None
+    if rank == 0:                     # every check passed: only now is the run folder written
+        os.makedirs(run_dir, exist_ok=True)
+        lock_run_folder(run_dir)
+        truncate_metrics(os.path.join(run_dir, "metrics.jsonl"),   # rows past the checkpoint
+                         ckpt["step"] if args.resume is not None else -1)
+        config = {"args": vars(args), "language": lang.spec(),
+                  "model_config": None if net is None else dataclasses.asdict(net.config),
+                  "n_params": 0 if net is None else model.n_params(net)}
+        data.write_whole(os.path.join(run_dir, "config.json"),
+                         lambda f: json.dump(config, f, indent=1), mode="w")
+    if net is None:
+        return write_lookup(args, lang, run_dir, ev) if rank == 0 else None
+    device = torch.device(args.device)
+    net.to(device).train()                         # a loaded or grown network comes in eval mode
+    opt = make_optimizer(net, args)
+    objective = torch.compile(Objective(net)) if args.compile else Objective(net)
+    if world > 1:
+        objective = nn.parallel.DistributedDataParallel(
+            objective, device_ids=[device.index] if device.type == "cuda" else None)
+    run = Run(args, lang, net, objective, opt, ev, run_dir, rank, world, device, task)
+    if ckpt is not None:
+        net.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        run.step = ckpt["step"]
+        if args.resume is not None:              # a branch starts its own clock and window
+            run.wall0, run.window = ckpt["wall"], LossWindow(*ckpt["window"])
+    if rank == 0:
+        print(f"{run_dir}: {model.n_params(net):,}-parameter {net.config.arch}, {args.algo}, "
+              f"steps {run.step}..{args.steps}, global batch {args.batch} over {world} proc, "
+              f"{'bf16' if bf16(args, device) else 'fp32'}")
+        if device.type == "cpu" and args.precision != "fp32" and bf16(args, device) != (
+                has := cpu_has_bf16()):       # auto on bf16 units, or bf16 without them
+            print("train.py: this CPU has bf16 units: --precision bf16 trains faster" if has else
+                  "train.py: this CPU has no bf16 units: bf16 is emulated, likely slower than "
+                  "fp32", file=sys.stderr)
+    if args.grow_from is not None and ckpt is None and rank == 0:    # step 0 (App. B.1.3)
+        row = write_step_0(run_dir, net, ev, lang.vocab_size, device)
+        save(run)
+        print(f"grew {args.grow_from} (step {source['step']}): eval kl {row['kl']:.6f}", flush=True)
+        run.t_window = time.time()              # tokens/s of the first row: training time only
+    return run
+
+
+def setup_distributed(args):
+    """(rank, world): DDP when launched by torchrun (WORLD_SIZE > 1), gloo on CPU, nccl on GPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if args.device.startswith("cuda"):
+        args.device = f"cuda:{local}"
+        torch.cuda.set_device(args.device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+    if args.batch % world:
+        raise SystemExit(f"train.py: --batch {args.batch} is not divisible by {world} processes")
+    return rank, world
+
+
+def build_model(args, lang):
+    """The preset's network for this language, resized by --n-layers etc. (§2.2, Figs. 2, 5)."""
+    V = lang.vocab_size
+    overrides = {k: getattr(args, k) for k in SIZE_OVERRIDES if getattr(args, k, None) is not None}
+    try:
+        cfg = model.config_from_preset(args.preset, vocab_size=V + data.N_SPECIAL,
+                                       pad_id=data.pad_id(V), max_len=lang.max_len,
+                                       dropout=args.dropout, **overrides)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"train.py: {e}")
+    unused = [k for k in overrides if k in SIZE_FIELDS_OF_OTHER_ARCH[cfg.arch]]
+    if unused:
+        raise SystemExit(f"train.py: {flag(unused[0])} does not apply to preset {args.preset!r}, "
+                         f"a {cfg.arch}")
+    fits_in_memory(cfg)
+    torch.manual_seed(stream_seed(args.seed, "init"))
+    return model.build(cfg)
+
+
+def fits_in_memory(cfg):
+    """Refuse a network whose weights, gradients and AdamW moments (16 B each) exceed memory."""
+    with torch.device("meta"):          # layers 2.. are alike: two layers give the count
+        one, two = (model.n_params(model.build(dataclasses.replace(cfg, n_layers=k)))
+                    for k in (1, 2))
+    n = one + (cfg.n_layers - 1) * (two - one)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if 16 * n > memory:
+        raise SystemExit(f"train.py: {n:,} parameters, {16 * n / 2**30:.1f} GiB with AdamW's "
+                         f"state, more than this machine's {memory / 2**30:.1f} GiB: lower {SIZES}")
+
+
+def cpu_has_bf16():
+    """Whether oneDNN finds bf16 instructions on this CPU (avx512_bf16, amx_bf16)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):      # a private function: absent means unknown
+        return True
+
+
+def write_step_0(run_dir, net, ev, V, device="cpu", **extra):
+    """The step-0 metrics row of an untrained model (a lookup table, a grown model)."""
+    t0, k, was_training = time.time(), min(len(ev.pos), 256), net.training
+    with torch.no_grad():               # a first batch says how long the whole will take
+        net.eval()(ev.inputs[:k].to(device))
+    net.train(was_training)
+    print(f"step 0: the exact KL of the untrained model on {len(ev.pos):,} eval rows (about "
+          f"{fmt_time((time.time() - t0) * len(ev.pos) / k)})", flush=True)
+    t0 = time.time()
+    row = {"step": 0, "loss": None, "lr": 0.0, "tokens_per_s": 0.0, "wall": 0.0,
+           **evaluate(net, ev, V, device), **extra}
+    row["wall"] = time.time() - t0
+    data.append_line(os.path.join(run_dir, "metrics.jsonl"), json.dumps(row))
+    return row
+
+
+def write_lookup(args, lang, run_dir, ev):
+    """App. A.4's lookup table: its eval row (KL ~1e-15) and a checkpoint of kind "lookup"."""
+    row = write_step_0(run_dir, LookupTable(lang), ev, lang.vocab_size, eval_n=args.eval_n)
+    data.save_whole(ckpt_path(run_dir, 0), {"kind": "lookup", "model": {}, "optimizer": {},
+                    "step": 0, "rng": {}, "language": lang.spec(), "args": vars(args), "world": 1})
+    print(f"lookup table: kl {row['kl']:.1e}; wrote {ckpt_path(run_dir, 0)}")
+
+
+def write_row(run, is_eval, start_step):
+    """A metrics.jsonl row and its progress line; on eval steps with the exact KL (App. A.4)."""
+    args, now, w = run.args, time.time(), run.window
+    sums = torch.tensor([w.loss, w.updates, w.adv_loss], dtype=torch.float64)
+    if run.world > 1:
+        dist.all_reduce(sums)
+        sums /= run.world
+    row = {"step": run.step, "loss": float(sums[0] / sums[1]), "lr": run.opt.param_groups[0]["lr"],
+           "tokens_per_s": run.tokens_window / (now - run.t_window),
+           "wall": run.wall0 + now - run.t_start}
+    if args.algo == "adversarial":
+        row["adv_loss"] = float(sums[2] / sums[1])
+    run.window = LossWindow()
+    if run.rank == 0:
+        if is_eval:
+            row.update(evaluate(run.net, run.ev, run.lang.vocab_size, run.device))
+        data.append_line(os.path.join(run.dir, "metrics.jsonl"), json.dumps(row))
+        eta = (now - run.t_start) / (run.step - start_step) * (args.steps - run.step)
+        extra = "".join(f" | {k} {row[k]:.4f}" for k in ("kl", "adv_loss") if k in row)
+        print(f"step {run.step:7d}/{args.steps} | loss {row['loss']:.4f}{extra} | "
+              f"lr {row['lr']:.1e} | {row['tokens_per_s'] / 1e3:5.0f}k tok/s | "
+              f"{fmt_time(row['wall'])} elapsed, ETA {fmt_time(eta)}", flush=True)
+    run.t_window, run.tokens_window = time.time(), 0
+
+
+def fmt_time(s):
+    """Seconds as m:ss or h:mm:ss."""
+    m, sec = divmod(int(s), 60)
+    return f"{m // 60}:{m % 60:02d}:{sec:02d}" if m >= 60 else f"{m}:{sec:02d}"
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Ctrl-C and SIGTERM only set a flag (a list, yielded), checked between updates, so the last
+    checkpoint holds whole updates; later signals are ignored, so none can cut it short."""
+    stop = []
+    old = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum))
+           for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, handler in old.items():      # interrupted: the process is on its way out
+            signal.signal(sig, signal.SIG_IGN if stop else handler)
+
+
+def save(run):
+    """Checkpoint the run (rank 0): all that resuming, hessian.py and probe.py need."""
+    if run.rank == 0:
+        data.save_whole(ckpt_path(run.dir, run.step), {
+            "kind": "mlm", "model_config": dataclasses.asdict(run.net.config),
+            "model": run.net.state_dict(), "optimizer": run.opt.state_dict(), "step": run.step,
+            "wall": run.wall0 + time.time() - run.t_start,
+            "window": list(dataclasses.astuple(run.window)),
+            "rng": {"torch": torch.get_rng_state(), "seed": run.args.seed},
+            "language": run.lang.spec(), "args": vars(run.args), "world": run.world})
+
+
+def ckpt_path(run_dir, step):
+    """runs/NAME/ckpt_{step:07d}.pt"""
+    return os.path.join(run_dir, f"ckpt_{step:07d}.pt")
+
+
+def list_checkpoints(run_dir):
+    """Checkpoint paths of a run directory, oldest first."""
+    return sorted(glob.glob(os.path.join(glob.escape(run_dir), "ckpt_*.pt")))
+
+
+def lock_run_folder(run_dir):
+    """Lock runs/NAME/.lock until train() returns, or refuse: two writers would interleave."""
+    try:
+        import fcntl                              # POSIX; elsewhere runs are not locked
+    except ImportError:
+        return
+    f = open(os.path.join(run_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        raise SystemExit(f"train.py: {run_dir} is in use by another process (pid "
+                         f"{f.read().strip() or '?'}); wait for it, or give another --name")
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    _LOCKS.append(f)                              # kept open: the lock lives with the file
+
+
+_LOCKS = []
+
+
+def truncate_metrics(path, step):
+    """Drop metric rows after `step`, logged by a run killed after its last checkpoint."""
+    if os.path.isfile(path):
+        rows = [json.dumps(r) + "\n" for r in data.read_rows(path) if r["step"] <= step]
+        data.write_whole(path, lambda f: f.writelines(rows), mode="w")
+
+
+def read_checkpoint(path, device="cpu"):
+    """The checkpoint dict in `path` (weights_only: no code runs), or a one-line error."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(missing_checkpoints([path])[0])
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:   # text, empty, truncated or foreign files all end up here
+        raise ValueError(f"{path} is not a readable train.py checkpoint (torch.load: "
+                         f"{type(e).__name__}: {data.first_line(e)})") from None
+    need = {"kind", "language", "step", "args"}
+    if not (isinstance(ckpt, dict) and need <= set(ckpt) and ckpt["kind"] in ("mlm", "lookup")):
+        raise ValueError(f"{path} is not a train.py checkpoint (a dict with "
+                         f"{', '.join(sorted(need))}; train.py writes runs/NAME/ckpt_*.pt)")
+    config = os.path.join(os.path.dirname(path), "config.json")
+    try:                       # a run's rows and its checkpoints must be of one language
+        with open(config) as f:
+            run_language = json.load(f)["language"]
+    except (OSError, ValueError, KeyError, TypeError):
+        run_language = ckpt["language"]          # no run folder around it: nothing to check
+    if run_language != ckpt["language"]:
+        raise ValueError(f"{path}: its language differs from that of its run folder ({config}):"
+                         f" keep each checkpoint in the folder of the run that wrote it")
+    return ckpt
+
+
+def load_checkpoint(path, device="cpu", finite=False):
+    """(model in eval mode, ckpt, lang) from a checkpoint file; kind "lookup": LookupTable.
+    finite: a weight that is NaN or infinite is a one-line error (nothing to measure)."""
+    ckpt = read_checkpoint(path, device)
+    try:
+        lang = data.language_from_spec(ckpt["language"])
+        if ckpt["kind"] == "lookup":
+            return LookupTable(lang), ckpt, lang
+        net = model.build(model.ModelConfig(**ckpt["model_config"]))
+        net.load_state_dict(ckpt["model"])
+    except NotImplementedError:                  # an exercise left blank: not the file's fault
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{path}: a damaged train.py checkpoint ({type(e).__name__}: "
+                         f"{data.first_line(e)})") from None
+    bad = [k for k, v in net.state_dict().items() if v.is_floating_point()
+           and not torch.isfinite(v).all()] if finite else []
+    if bad:
+        raise ValueError(f"{path}: {len(bad)} weight tensor(s) hold NaN or inf ({bad[0]}, ...): "
+                         f"nothing to measure")
+    return net.to(device).eval(), ckpt, lang
+
+
+# ---------------------------------------------------------- command line, checks, resume and branch
 
 class ShortHelp(argparse.HelpFormatter):
     """--help on one screen: one line per flag, values shown as N (integer), X (number), S."""
@@ -323,8 +763,7 @@ class ShortHelp(argparse.HelpFormatter):
 
 # integer flags' ranges; sizes capped far above any use, so that a typo is a usage error
 COUNT, NATURAL, SEED = data.int_flag(1), data.int_flag(0), data.int_flag(0, data.SEED_MAX)
-SIZE_CAP = data.int_flag(1, 2 ** 16)
-SIZES = "--batch, --eval-n, --n-layers, --n-heads, --lstm-hidden, --grow-width or --lang's size"
+SIZE_CAP, FRACTION = data.int_flag(1, 2 ** 16), data.float_flag(0, 0.999999)
 POSITIVE, NONNEGATIVE = data.float_flag(0, open_lo=True), data.float_flag(0)   # finite numbers
 
 
@@ -365,13 +804,12 @@ def parse_args(argv=None):
     a("--steps", type=NATURAL, default=3000, help="updates (default 3000; --resume: extends)")
     a("--batch", type=data.int_flag(1, 2 ** 20), default=256, help="global batch, split over ranks")
     a("--lr", type=POSITIVE, default=1e-2, help="peak lr (default 1e-2; the paper's 1e-3)")
-    a("--warmup", type=data.float_flag(0, 0.999999), help="warm-up fraction (0.06; sgd 0.12)")
+    a("--warmup", type=FRACTION, help="warm-up fraction (0.06; sgd 0.12)")
     a("--schedule", choices=("linear", "const"), metavar="S", help="linear to 0 or const (sgd)")
     a("--decay-steps", type=NATURAL, default=0, help="const: the last N updates decay to lr 0")
     a("--branch-from", metavar="CKPT", help="a new run: CKPT's, lr to 0 over --decay-steps")
     a("--weight-decay", type=NONNEGATIVE, default=0.01, help="AdamW weight decay (default 0.01)")
-    a("--dropout", type=data.float_flag(0, 0.999999), default=0.0,
-      help="the model's dropout (default 0; the paper's authors 0.1)")
+    a("--dropout", type=FRACTION, default=0.0, help="dropout (default 0; the paper's authors 0.1)")
     a("--mask-rate", type=data.float_flag(0, 1, open_lo=True),
       help="mask this fraction of tokens (App. E: 0.15), not one")
     a("--task", help="adversarial: downstream task (default: the language's first)")
@@ -457,213 +895,78 @@ def check_args(args):
         raise SystemExit("train.py: " + "; ".join(bad))
 
 
-def build_model(args, lang):
-    """The preset's network for this language, resized by --n-layers etc. (§2.2, Figs. 2, 5)."""
-    V = lang.vocab_size
-    overrides = {k: getattr(args, k) for k in SIZE_OVERRIDES if getattr(args, k, None) is not None}
+def merge_stored(args, given):
+    """--resume and --branch-from: the checkpoint's stored arguments, of which only RUNTIME_ARGS,
+    --steps and (a branch) --decay-steps, --name and the logging periods may change."""
+    branch = args.branch_from is not None
+    what, path = ("--branch-from", args.branch_from) if branch else ("--resume", args.resume)
+    if path == "latest":
+        where = os.path.join(args.runs, args.name or "NAME")    # --name NAME of a run in --runs
+        ckpts = [] if args.name is None else list_checkpoints(where)
+        if not ckpts:
+            raise SystemExit(f"train.py: --resume: no checkpoint in {where} (a run killed before "
+                             f"its first checkpoint starts again without --resume)")
+        path = ckpts[-1]
     try:
-        cfg = model.config_from_preset(args.preset, vocab_size=V + data.N_SPECIAL,
-                                       pad_id=data.pad_id(V), max_len=lang.max_len,
-                                       dropout=args.dropout, **overrides)
-    except (ValueError, TypeError) as e:
-        raise SystemExit(f"train.py: {e}")
-    unused = [k for k in overrides if k in SIZE_FIELDS_OF_OTHER_ARCH[cfg.arch]]
-    if unused:
-        raise SystemExit(f"train.py: {flag(unused[0])} does not apply to preset {args.preset!r}, "
-                         f"a {cfg.arch}")
-    fits_in_memory(cfg)
-    torch.manual_seed(stream_seed(args.seed, "init"))
-    return model.build(cfg)
+        ckpt = read_checkpoint(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"train.py: {what}: {e}")
+    if ckpt["kind"] != "mlm" and branch:
+        raise SystemExit(f"train.py: --branch-from {path}: a {ckpt['kind']!r} checkpoint has "
+                         f"no network to train on")
+    stored = dict(ckpt["args"])
+    older = [flag(k) for k in vars(args) if k not in stored] + ["world"] * ("world" not in ckpt)
+    if older:                            # flags this release has and the checkpoint's lacks
+        raise SystemExit(f"train.py: {what} {path}: written by an earlier release of train.py "
+                         f"(no {', '.join(older[:3])}), which this one cannot continue: start anew")
+    may_change = set(RUNTIME_ARGS) | {"steps", "name"}
+    if branch:
+        may_change |= {"decay_steps", "eval_every", "log_every", "ckpt_every", "runs"}
+    diff = [k for k in sorted(given - may_change - {"resume", "branch_from", "runs"})
+            if vars(args)[k] != stored.get(k)]        # --runs: a resume's is its checkpoint's
+    if diff:
+        shown = ", ".join(f"{flag(k)} {vars(args)[k]} (the run's: {stored.get(k)})" for k in diff)
+        raise SystemExit(f"train.py: {what} {path}: {shown}: a {what[2:]} keeps its run's "
+                         f"arguments; only {', '.join(map(flag, sorted(may_change)))} may change")
+    merged = argparse.Namespace(**{**stored, **{k: getattr(args, k) for k in given & may_change}})
+    if branch:                           # a decay branch: from the source's step S to S + N,
+        # lr decayed linearly to 0, in a new run folder (warmup-stable-decay: the valley's floor)
+        step, n = ckpt["step"], args.decay_steps
+        if stored["schedule"] != "const" or stored["decay_steps"]:
+            raise SystemExit(f"train.py: --branch-from {args.branch_from}: its run's lr "
+                             f"already decays; branch from a --schedule const run")
+        if n < 1 or step < stored["warmup_steps"]:
+            raise SystemExit(f"train.py: --branch-from {args.branch_from}: needs --decay-steps "
+                             f"N >= 1, and a step ({step}) past the warm-up "
+                             f"({stored['warmup_steps']} steps)")
+        merged.steps, merged.decay_steps, merged.runs = step + n, n, args.runs
+        merged.resume, merged.branch_from = None, args.branch_from
+        if "name" not in given:
+            source = os.path.basename(os.path.dirname(os.path.abspath(args.branch_from)))
+            merged.name = f"{source}-from{step}-decay{n}"
+        return merged
+    merged.resume = path
+    merged.runs, merged.name = os.path.split(os.path.dirname(os.path.abspath(path)))
+    if merged.steps < ckpt["step"]:                  # merged.steps: --steps if given
+        raise SystemExit(f"train.py: --resume {path}: the checkpoint is at step "
+                         f"{ckpt['step']}, past --steps {args.steps}")
+    if merged.steps > stored["steps"] and (stored["schedule"] == "linear" or stored["decay_steps"]):
+        raise SystemExit(f"train.py: --resume {path}: the run's lr decays to 0 at its step "
+                         f"{stored['steps']}, so it cannot be extended (a const run can)")
+    return merged
 
 
-def fits_in_memory(cfg):
-    """Refuse a network whose weights, gradients and AdamW moments (16 B each) exceed memory."""
-    with torch.device("meta"):          # layers 2.. are alike: two layers give the count
-        one, two = (model.n_params(model.build(dataclasses.replace(cfg, n_layers=k)))
-                    for k in (1, 2))
-    n = one + (cfg.n_layers - 1) * (two - one)
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if 16 * n > memory:
-        raise SystemExit(f"train.py: {n:,} parameters, {16 * n / 2**30:.1f} GiB with AdamW's "
-                         f"state, more than this machine's {memory / 2**30:.1f} GiB: lower {SIZES}")
-
-
-def setup_distributed(args):
-    """(rank, world): DDP when launched by torchrun (WORLD_SIZE > 1), gloo on CPU, nccl on GPU."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if args.device.startswith("cuda"):
-        args.device = f"cuda:{local}"
-        torch.cuda.set_device(args.device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
-    if args.batch % world:
-        raise SystemExit(f"train.py: --batch {args.batch} is not divisible by {world} processes")
-    return rank, world
-
-
-def start_run(args):
-    """The Run and its folder; None when there is nothing to train (lookup, or run complete)."""
-    if args.grow_from is None:
-        lang = data.build_language(args.lang, args.lang_seed)
-    elif args.resume is None and args.branch_from is None:      # model.grow (App. B.1.3)
-        try:
-            small, source, lang = load_checkpoint(args.grow_from)
-            if source["kind"] != "mlm":
-                raise ValueError(f"a {source['kind']!r} checkpoint has no network")
-            c = small.config                     # the grown sizes (an arch ignores the other's)
-            fits_in_memory(dataclasses.replace(c, n_heads=c.n_heads * args.grow_width,
-                                               n_layers=c.n_layers + args.grow_layers,
-                                               lstm_hidden=c.lstm_hidden * args.grow_width))
-            grown = model.grow(small, width=args.grow_width, extra_layers=args.grow_layers,
-                               seed=stream_seed(args.seed, "init"), split=args.grow_split).train()
-        except (FileNotFoundError, ValueError) as e:
-            raise SystemExit(f"train.py: --grow-from: {e}")
-    else:                # a grown run resumed or branched: its own checkpoint, not its source
-        grown, _, lang = load_checkpoint(args.resume or args.branch_from)
-        grown.train()
-    task = None                  # the adversary's downstream sample: D1 and D2 come from it
-    if args.algo == "adversarial":
-        args.task = args.task if args.task is not None else lang.tasks[0]
-        try:
-            n_classes = lang.n_classes(args.task)
-        except ValueError as e:
-            raise SystemExit(f"train.py: unknown --task {args.task!r} for this language: {e}")
-        tokens, _, labels = lang.task_data(args.task, args.adv_pool,
-                                           seed=stream_seed(args.seed, "task"))
-        task = (tokens, labels, n_classes)
-    rank, world = setup_distributed(args)
-    run_dir = os.path.join(args.runs, args.name)
-    net = None if args.algo == "lookup" else grown if args.grow_from else build_model(args, lang)
-    if args.resume is None and list_checkpoints(run_dir):
-        raise SystemExit(f"train.py: {run_dir} already holds checkpoints; pass --resume to "
-                         f"continue that run, or --name NEW for a new one")
-    path = args.resume if args.resume is not None else args.branch_from
-    ckpt = None if path is None else read_checkpoint(path)      # read by parse_args already
-    if ckpt is not None:               # of this language, model and world size
-        diff = [] if ckpt["language"] == lang.spec() else ["its language (the spec differs)"]
-        stored = ckpt.get("model_config")
-        if net is not None and (stored is None or model.ModelConfig(**stored) != net.config):
-            diff.append("its model_config")
-        if ckpt["world"] != world:                 # the adversary draws per (step, rank)
-            diff.append(f"its number of processes ({ckpt['world']}, now {world}: "
-                        f"use torchrun --nproc_per_node={ckpt['world']})")
-        if diff:
-            raise SystemExit(f"train.py: {path}: {'; '.join(diff)} differs from this run's")
-    if args.resume is not None and (net is None or ckpt["step"] >= args.steps):
-        print(f"{run_dir} is complete: {args.resume} is at step {ckpt['step']} of {args.steps} "
-              f"(--steps N, larger, extends a --schedule const run)")
-        return None
-    if (net is not None and net.config.arch == "lstm" and args.device == "cpu"
-            and bf16(args, torch.device("cpu")) and not cpu_has_bf16()):
-        raise SystemExit("train.py: --precision bf16: PyTorch's bf16 LSTM on a CPU needs bf16 "
-                         "units (avx512_bf16, amx), which this CPU lacks; use --precision fp32")
-    ev = make_eval_set(lang, args.eval_n) if rank == 0 else None
-    if rank == 0:                     # every check passed: only now is the run folder written
-        os.makedirs(run_dir, exist_ok=True)
-        lock_run_folder(run_dir)
-        truncate_metrics(os.path.join(run_dir, "metrics.jsonl"),   # rows past the checkpoint
-                         ckpt["step"] if args.resume is not None else -1)
-        config = {"args": vars(args), "language": lang.spec(),
-                  "model_config": None if net is None else dataclasses.asdict(net.config),
-                  "n_params": 0 if net is None else model.n_params(net)}
-        data.write_whole(os.path.join(run_dir, "config.json"),
-                         lambda f: json.dump(config, f, indent=1), mode="w")
-    if net is None:
-        return write_lookup(args, lang, run_dir, ev) if rank == 0 else None
-    device = torch.device(args.device)
-    net.to(device)
-    opt = make_optimizer(net, args)
-    objective = torch.compile(Objective(net)) if args.compile else Objective(net)
-    if world > 1:
-        objective = nn.parallel.DistributedDataParallel(
-            objective, device_ids=[device.index] if device.type == "cuda" else None)
-    run = Run(args, lang, net, objective, opt, ev, run_dir, rank, world, device, task)
-    if ckpt is not None:
-        net.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        run.step = ckpt["step"]
-        if args.resume is not None:              # a branch starts its own clock and window
-            run.wall0, run.window = ckpt["wall"], LossWindow(*ckpt["window"])
-    if rank == 0:
-        print(f"{run_dir}: {model.n_params(net):,}-parameter {net.config.arch}, {args.algo}, "
-              f"steps {run.step}..{args.steps}, global batch {args.batch} over {world} proc, "
-              f"{'bf16' if bf16(args, device) else 'fp32'}")
-        if device.type == "cpu" and args.precision != "fp32" and bf16(args, device) != (
-                has := cpu_has_bf16()):       # auto on bf16 units, or bf16 without them
-            print("train.py: this CPU has bf16 units: --precision bf16 trains faster" if has else
-                  "train.py: this CPU has no bf16 units: bf16 is emulated, likely slower than "
-                  "fp32", file=sys.stderr)
-    if args.grow_from is not None and ckpt is None and rank == 0:    # step 0 (App. B.1.3)
-        row = write_step_0(run_dir, net, ev, lang.vocab_size, device)
-        save(run)
-        print(f"grew {args.grow_from} (step {source['step']}): eval kl {row['kl']:.6f}", flush=True)
-        run.t_window = time.time()              # tokens/s of the first row: training time only
-    return run
-
-
-def write_row(run, is_eval, start_step):
-    """A metrics.jsonl row and its progress line; on eval steps with the exact KL (App. A.4)."""
-    args, now, w = run.args, time.time(), run.window
-    sums = torch.tensor([w.loss, w.updates, w.adv_loss], dtype=torch.float64)
-    if run.world > 1:
-        dist.all_reduce(sums)
-        sums /= run.world
-    row = {"step": run.step, "loss": float(sums[0] / sums[1]), "lr": run.opt.param_groups[0]["lr"],
-           "tokens_per_s": run.tokens_window / (now - run.t_window),
-           "wall": run.wall0 + now - run.t_start}
-    if args.algo == "adversarial":
-        row["adv_loss"] = float(sums[2] / sums[1])
-    run.window = LossWindow()
-    if run.rank == 0:
-        if is_eval:
-            row.update(evaluate(run.net, run.ev, run.lang.vocab_size, run.device))
-        data.append_line(os.path.join(run.dir, "metrics.jsonl"), json.dumps(row))
-        eta = (now - run.t_start) / (run.step - start_step) * (args.steps - run.step)
-        extra = "".join(f" | {k} {row[k]:.4f}" for k in ("kl", "adv_loss") if k in row)
-
-        print(f"step {run.step:7d}/{args.steps} | loss {row['loss']:.4f}{extra} | "
-              f"lr {row['lr']:.1e} | {row['tokens_per_s'] / 1e3:5.0f}k tok/s | "
-              f"{fmt_time(row['wall'])} elapsed, ETA {fmt_time(eta)}", flush=True)
-    run.t_window, run.tokens_window = time.time(), 0
-
-
-def write_step_0(run_dir, net, ev, V, device="cpu", **extra):
-    """The step-0 metrics row of an untrained model (a lookup table, a grown model)."""
-    t0, k, was_training = time.time(), min(len(ev.pos), 256), net.training
-    with torch.no_grad():               # a first batch says how long the whole will take
-        net.eval()(ev.inputs[:k].to(device))
-    net.train(was_training)
-    print(f"step 0: the exact KL of the untrained model on {len(ev.pos):,} eval rows (about "
-          f"{fmt_time((time.time() - t0) * len(ev.pos) / k)})", flush=True)
-    t0 = time.time()
-    row = {"step": 0, "loss": None, "lr": 0.0, "tokens_per_s": 0.0, "wall": 0.0,
-           **evaluate(net, ev, V, device), **extra}
-    row["wall"] = time.time() - t0
-    data.append_line(os.path.join(run_dir, "metrics.jsonl"), json.dumps(row))
-    return row
-
-
-def write_lookup(args, lang, run_dir, ev):
-    """App. A.4's lookup table: its eval row (KL ~1e-15) and a checkpoint of kind "lookup"."""
-    row = write_step_0(run_dir, LookupTable(lang), ev, lang.vocab_size, eval_n=args.eval_n)
-    data.save_whole(ckpt_path(run_dir, 0), {"kind": "lookup", "model": {}, "optimizer": {},
-                    "step": 0, "rng": {}, "language": lang.spec(), "args": vars(args), "world": 1})
-    print(f"lookup table: kl {row['kl']:.1e}; wrote {ckpt_path(run_dir, 0)}")
-
+# ---------------------------------- hessian.py's and probe.py's loop: each checkpoint measured once
 
 def measure_checkpoints(paths, rows, settings_of, measure, written, shown=lambda row: row):
     """The loop of hessian.py and probe.py: settings_of(path) (its step and settings) of every
     checkpoint before any write, then measure(path)'s row (None: none) appended to its run's
     `rows` file and shown, unless a row there has those settings already."""
-    todo = [(path, settings_of(path)) for path in paths]           # every file read first
-    for out in {os.path.join(os.path.dirname(path) or ".", rows) for path, _ in todo}:
+    todo = [(p, settings_of(p), os.path.join(os.path.dirname(p) or ".", rows)) for p in paths]
+    for out in {out for _, _, out in todo}:                         # every file read first
         if os.path.exists(out) and not os.access(out, os.W_OK):     # before any measurement
             raise ValueError(f"{out} is not writable: no row could be saved")
-    for path, settings in todo:
-        out = os.path.join(os.path.dirname(path) or ".", rows)
+    for path, settings, out in todo:
         if any(all(r.get(k) == v for k, v in settings.items()) for r in data.read_rows(out)):
             print(f"{path}: in {out} with these settings already: skipped", file=sys.stderr)
             continue
@@ -691,22 +994,21 @@ def claim_file(path):
         f.write(str(os.getpid()))
     try:
         for _ in range(2):
-            try:
+            with contextlib.suppress(FileExistsError):
                 os.link(aside, path)
                 return True
-            except FileExistsError:
-                try:
-                    with open(path) as f:
-                        pid = int(f.read())
-                    if pid <= 0:                            # os.kill(0) would signal our group
-                        raise ValueError(pid)
-                    os.kill(pid, 0)                         # raises if no such process
-                    return False
-                except (ProcessLookupError, ValueError, FileNotFoundError):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)                     # stale: its process is gone
-                except PermissionError:                     # alive, another user's
-                    return False
+            try:
+                with open(path) as f:
+                    pid = int(f.read())
+                if pid <= 0:                                # os.kill(0) would signal our group
+                    raise ValueError(pid)
+                os.kill(pid, 0)                             # raises if no such process
+                return False
+            except (ProcessLookupError, ValueError, FileNotFoundError):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)                         # stale: its process is gone
+            except PermissionError:                         # alive, another user's
+                return False
         return False
     finally:
         os.unlink(aside)
@@ -718,87 +1020,6 @@ def measured_so_far(written, verb, rows):
             f"command again for the rest (checkpoints {verb} with the same settings are skipped)")
 
 
-def truncate_metrics(path, step):
-    """Drop metric rows after `step`, logged by a run killed after its last checkpoint."""
-    if os.path.isfile(path):
-        rows = [json.dumps(r) + "\n" for r in data.read_rows(path) if r["step"] <= step]
-        data.write_whole(path, lambda f: f.writelines(rows), mode="w")
-
-
-def fmt_time(s):
-    """Seconds as m:ss or h:mm:ss."""
-    m, sec = divmod(int(s), 60)
-    return f"{m // 60}:{m % 60:02d}:{sec:02d}" if m >= 60 else f"{m}:{sec:02d}"
-
-
-@contextlib.contextmanager
-def deferred_interrupts():
-    """Ctrl-C and SIGTERM only set a flag (a list, yielded), checked between updates, so the last
-    checkpoint holds whole updates; later signals are ignored, so none can cut it short."""
-    stop = []
-    old = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum))
-           for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield stop
-    finally:
-        for sig, handler in old.items():      # interrupted: the process is on its way out
-            signal.signal(sig, signal.SIG_IGN if stop else handler)
-
-
-def cpu_has_bf16():
-    """Whether oneDNN finds bf16 instructions on this CPU (avx512_bf16, amx_bf16)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):      # a private function: absent means unknown
-        return True
-
-
-# ----------------------------------------------------------------------------------- checkpoints
-
-def save(run):
-    """Checkpoint the run (rank 0): all that resuming, hessian.py and probe.py need."""
-    if run.rank == 0:
-        data.save_whole(ckpt_path(run.dir, run.step), {
-            "kind": "mlm", "model_config": dataclasses.asdict(run.net.config),
-            "model": run.net.state_dict(), "optimizer": run.opt.state_dict(), "step": run.step,
-            "wall": run.wall0 + time.time() - run.t_start,
-            "window": list(dataclasses.astuple(run.window)),
-            "rng": {"torch": torch.get_rng_state(), "seed": run.args.seed},
-            "language": run.lang.spec(), "args": vars(run.args), "world": run.world})
-
-
-def ckpt_path(run_dir, step):
-    """runs/NAME/ckpt_{step:07d}.pt"""
-    return os.path.join(run_dir, f"ckpt_{step:07d}.pt")
-
-
-def list_checkpoints(run_dir):
-    """Checkpoint paths of a run directory, oldest first."""
-    return sorted(glob.glob(os.path.join(glob.escape(run_dir), "ckpt_*.pt")))
-
-
-def lock_run_folder(run_dir):
-    """Lock runs/NAME/.lock until train() returns, or refuse: two writers would interleave."""
-    try:
-        import fcntl                              # POSIX; elsewhere runs are not locked
-    except ImportError:
-        return
-    f = open(os.path.join(run_dir, ".lock"), "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        raise SystemExit(f"train.py: {run_dir} is in use by another process (pid "
-                         f"{f.read().strip() or '?'}); wait for it, or give another --name")
-    f.truncate(0)
-    f.write(str(os.getpid()))
-    f.flush()
-    _LOCKS.append(f)                              # kept open: the lock lives with the file
-
-
-_LOCKS = []
-
-
 def missing_checkpoints(paths, rows=None):
     """One-line errors: the paths that are not files, and the folders where the `rows` file
     (hessian.jsonl, probe.jsonl) cannot be written."""
@@ -807,246 +1028,6 @@ def missing_checkpoints(paths, rows=None):
     folders = sorted({os.path.dirname(p) for p in paths}) if rows else []
     unwritable = [data.unwritable(os.path.join(folder, rows), "the output") for folder in folders]
     return bad[:len(missing) > 0] + [m for m in unwritable if m]
-
-
-def read_checkpoint(path, device="cpu"):
-    """The checkpoint dict in `path` (weights_only: no code runs), or a one-line error."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(missing_checkpoints([path])[0])
-    try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:   # text, empty, truncated or foreign files all end up here
-        raise ValueError(f"{path} is not a readable train.py checkpoint (torch.load: "
-                         f"{type(e).__name__}: {data.first_line(e)})") from None
-    need = {"kind", "language", "step", "args"}
-    if not (isinstance(ckpt, dict) and need <= set(ckpt) and ckpt["kind"] in ("mlm", "lookup")):
-        raise ValueError(f"{path} is not a train.py checkpoint (a dict with "
-                         f"{', '.join(sorted(need))}; train.py writes runs/NAME/ckpt_*.pt)")
-    config = os.path.join(os.path.dirname(path), "config.json")
-    try:                       # a run's rows and its checkpoints must be of one language
-        with open(config) as f:
-            run_language = json.load(f)["language"]
-    except (OSError, ValueError, KeyError, TypeError):
-        run_language = ckpt["language"]          # no run folder around it: nothing to check
-    if run_language != ckpt["language"]:
-        raise ValueError(f"{path}: its language differs from that of its run folder ({config}):"
-                         f" keep each checkpoint in the folder of the run that wrote it")
-    return ckpt
-
-
-def load_checkpoint(path, device="cpu", finite=False):
-    """(model in eval mode, ckpt, lang) from a checkpoint file; kind "lookup": LookupTable.
-    finite: a weight that is NaN or infinite is a one-line error (nothing to measure)."""
-    ckpt = read_checkpoint(path, device)
-    try:
-        lang = data.language_from_spec(ckpt["language"])
-        if ckpt["kind"] == "lookup":
-            return LookupTable(lang), ckpt, lang
-        net = model.build(model.ModelConfig(**ckpt["model_config"]))
-        net.load_state_dict(ckpt["model"])
-    except NotImplementedError:                  # an exercise left blank: not the file's fault
-        raise
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{path}: a damaged train.py checkpoint ({type(e).__name__}: "
-                         f"{data.first_line(e)})") from None
-    bad = [k for k, v in net.state_dict().items() if v.is_floating_point()
-           and not torch.isfinite(v).all()] if finite else []
-    if bad:
-        raise ValueError(f"{path}: {len(bad)} weight tensor(s) hold NaN or inf ({bad[0]}, ...): "
-                         f"nothing to measure")
-    return net.to(device).eval(), ckpt, lang
-
-
-# ------------------------------------------------------------------------------- resume and branch
-
-def merge_stored(args, given):
-    """--resume and --branch-from: the checkpoint's stored arguments, of which only RUNTIME_ARGS,
-    --steps and (a branch) --decay-steps, --name and the logging periods may change."""
-    what = "--resume" if args.branch_from is None else "--branch-from"
-    path = args.branch_from if args.branch_from is not None else args.resume
-    if path == "latest":
-        where = os.path.join(args.runs, args.name or "NAME")    # --name NAME of a run in --runs
-        ckpts = [] if args.name is None else list_checkpoints(where)
-        if not ckpts:
-            raise SystemExit(f"train.py: --resume: no checkpoint in {where} (a run killed before "
-                             f"its first checkpoint starts again without --resume)")
-        path = ckpts[-1]
-    try:
-        ckpt = read_checkpoint(path)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"train.py: {what}: {e}")
-    if ckpt["kind"] != "mlm" and args.branch_from is not None:
-        raise SystemExit(f"train.py: --branch-from {path}: a {ckpt['kind']!r} checkpoint has "
-                         f"no network to train on")
-
-
-    stored = dict(ckpt["args"])
-    older = [flag(k) for k in vars(args) if k not in stored] + ["world"] * ("world" not in ckpt)
-    if older:                            # flags this release has and the checkpoint's lacks
-        raise SystemExit(f"train.py: {what} {path}: written by an earlier release of train.py "
-                         f"(no {', '.join(older[:3])}), which this one cannot continue: start anew")
-    may_change = set(RUNTIME_ARGS) | {"steps", "name"}
-    if args.branch_from is not None:
-        may_change |= {"decay_steps", "eval_every", "log_every", "ckpt_every", "runs"}
-    diff = [k for k in sorted(given - may_change - {"resume", "branch_from", "runs"})
-            if vars(args)[k] != stored.get(k)]        # --runs: a resume's is its checkpoint's
-    if diff:
-        shown = ", ".join(f"{flag(k)} {vars(args)[k]} (the run's: {stored.get(k)})" for k in diff)
-        raise SystemExit(f"train.py: {what} {path}: {shown}: a {what[2:]} keeps its run's "
-                         f"arguments; only {', '.join(map(flag, sorted(may_change)))} may change")
-    merged = argparse.Namespace(**{**stored, **{k: getattr(args, k) for k in RUNTIME_ARGS
-                                                if k in given or k not in stored}})
-    if args.branch_from is not None:     # a decay branch: from the source's step S to S + N,
-        # lr decayed linearly to 0, in a new run folder (warmup-stable-decay: the valley's floor)
-        step, n = ckpt["step"], args.decay_steps
-        if merged.schedule != "const" or merged.decay_steps:
-            raise SystemExit(f"train.py: --branch-from {args.branch_from}: its run's lr "
-                             f"already decays; branch from a --schedule const run")
-        if n < 1 or step < merged.warmup_steps:
-            raise SystemExit(f"train.py: --branch-from {args.branch_from}: needs --decay-steps "
-                             f"N >= 1, and a step ({step}) past the warm-up "
-                             f"({merged.warmup_steps} steps)")
-        for k in ("decay_steps", "eval_every", "log_every", "ckpt_every", "name", "runs"):
-            if k in given or k in ("decay_steps", "runs"):
-                setattr(merged, k, getattr(args, k))
-        merged.steps, merged.resume, merged.branch_from = step + n, None, args.branch_from
-        if "name" not in given:
-            source = os.path.basename(os.path.dirname(os.path.abspath(args.branch_from)))
-            merged.name = f"{source}-from{step}-decay{n}"
-        return merged
-    merged.resume = path
-    merged.runs, merged.name = os.path.split(os.path.dirname(os.path.abspath(path)))
-    if "steps" in given and args.steps != stored["steps"]:
-        if args.steps < ckpt["step"]:
-            raise SystemExit(f"train.py: --resume {path}: the checkpoint is at step "
-                             f"{ckpt['step']}, past --steps {args.steps}")
-        if args.steps > stored["steps"] and (stored["schedule"] == "linear"
-                                             or stored["decay_steps"]):
-            raise SystemExit(f"train.py: --resume {path}: the run's lr decays to 0 at its step "
-                             f"{stored['steps']}, so it cannot be extended (a const run can)")
-
-        merged.steps = args.steps
-    return merged
-
-
-# =============== the training loop: the paper's objects above, put to work by the plumbing between
-
-@dataclasses.dataclass
-class LossWindow:
-    """Sums over the updates since the last metrics row (averaged over ranks when written)."""
-    loss: float = 0.0
-    updates: int = 0
-    adv_loss: float = 0.0
-
-
-@dataclasses.dataclass
-class Run:
-    """Everything one update, one metrics row and one checkpoint need."""
-    args: argparse.Namespace
-    lang: object
-    net: nn.Module
-    objective: nn.Module          # the net in one forward, maybe compiled and DDP-wrapped
-    opt: torch.optim.Optimizer
-    ev: EvalSet                   # None on ranks > 0
-    dir: str
-    rank: int
-    world: int
-    device: torch.device
-    task: tuple = None            # adversarial: (tokens, labels, n_classes) of the task pool
-    step: int = 0
-    wall0: float = 0.0            # seconds this run ran before its last resume
-    window: LossWindow = dataclasses.field(default_factory=LossWindow)
-    t_start: float = dataclasses.field(default_factory=time.time)
-    t_window: float = dataclasses.field(default_factory=time.time)
-    tokens_window: int = 0
-
-
-def train(args):
-    """Run one training job as the arguments say (see the module docstring)."""
-    check_args(args)
-    torch.set_num_threads(args.threads)
-    fused, model.FUSED_ATTENTION = model.FUSED_ATTENTION, args.fused_attention
-    try:
-        return train_run(args)
-    finally:
-        model.FUSED_ATTENTION = fused               # for this run only
-        while _LOCKS:                               # the run folder is free again
-            _LOCKS.pop().close()
-
-
-def train_run(args):
-    """train() without the release of the run folder's lock."""
-    run = start_run(args)
-    if run is None:                                  # a lookup table, or a run already complete
-        return os.path.join(args.runs, args.name)
-    start_step = run.step
-    with deferred_interrupts() as stop:
-        try:
-            while run.step < args.steps:
-                if stop:
-                    raise KeyboardInterrupt
-                one_update(run)
-                is_ckpt = run.step % args.ckpt_every == 0 or run.step == args.steps
-                is_eval = run.step % args.eval_every == 0 or is_ckpt
-                if is_eval or run.step % args.log_every == 0:
-                    write_row(run, is_eval, start_step)
-                if is_ckpt:
-                    save(run)
-        except KeyboardInterrupt:                     # lose nothing beyond the last update
-            if run.rank == 0 and not os.path.isfile(ckpt_path(run.dir, run.step)):
-                save(run)
-            raise SystemExit(f"train.py: interrupted; saved step {run.step} in "
-                             f"{ckpt_path(run.dir, run.step)}; continue it with: python train.py "
-                             f"--runs {args.runs} --name {args.name} --resume")
-        finally:
-            if run.world > 1 and dist.is_initialized():
-                dist.destroy_process_group()
-    return run.dir
-
-
-def one_update(run):
-    """One optimizer update on this rank's slice of a fresh global batch (§2.1, App. A.3-A.4)."""
-    args, step, device = run.args, run.step, run.device
-    for group in run.opt.param_groups:
-        group["lr"] = lr_at(step, args)
-    inputs, targets = make_batch(run.lang, args, step, args.batch)
-    inputs, targets = inputs[run.rank::run.world], targets[run.rank::run.world]  # DDP: a share
-    task_tokens = task_labels = n_classes = None
-    if run.task is not None:                            # D1 = the first adv_n, D2 the next adv_n
-        tokens, labels, n_classes = run.task
-        idx = torch.randperm(args.adv_pool, generator=generator(args.seed, "adv", step, run.rank))
-        idx = idx[:2 * args.adv_n]
-        task_tokens, task_labels = tokens[idx].to(device), labels[idx].to(device)
-    amp = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16(args, device)
-           else contextlib.nullcontext())
-    with amp:
-
-
-        loss, total, adv = training_objective(
-            run.objective, inputs.to(device), targets.to(device), run.lang.vocab_size, args,
-            task_tokens, task_labels, n_classes, generator(args.seed, "proj", step, run.rank))
-    loss_value = loss.item()
-    if not math.isfinite(loss_value) or not math.isfinite(total.item()):
-        last = (list_checkpoints(run.dir) or ["(none yet)"])[-1]
-        raise SystemExit(f"train.py: loss is {loss_value} at step {step + 1}; stopped before the "
-                         f"update. The last good checkpoint is {last}; try a lower --lr")
-    run.opt.zero_grad(set_to_none=True)
-    total.backward()
-    run.opt.step()
-    run.step += 1
-    run.window.loss += loss_value
-    run.window.updates += 1
-    run.window.adv_loss += 0.0 if adv is None else adv.item()
-    run.tokens_window += args.batch * run.lang.max_len
-
-
-def bf16(args, device):
-    """Whether the training step autocasts to bf16 (--precision; "auto": on CUDA only): matmuls
-    in bf16, the weights and AdamW's moments fp32. Exact quantities (the KL, hessian.py, probe.py,
-    data.py) never autocast: bf16's relative error, 4e-3, is on the scale of their KLs."""
-
-
-    return args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
 
 
 def main(argv=None):
