@@ -38,7 +38,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import data
-import model as model_lib   # trace_hessian's argument is called `model`
+import model
 import train
 
 SENTENCE_SEED = 0            # the same masked sentences for every checkpoint of a run
@@ -160,7 +160,7 @@ def vmappable(net):
             if isinstance(child, nn.LSTM):
                 lstms.append(FunctionalLSTM(child))
                 setattr(m, child_name, lstms[-1])
-    if isinstance(net, model_lib.LSTM):            # no packing: FunctionalLSTM masks padding
+    if isinstance(net, model.LSTM):                # no packing: FunctionalLSTM masks padding
         net.features = lambda tokens: net.lstm(net.drop(net.embed(tokens)))[0]
     pad = getattr(getattr(net, "config", None), "pad_id", None)
     if pad is not None:
@@ -202,7 +202,7 @@ def sq_grad_norms(net, inputs, positions, labels, chunk_size=None, scaled=False)
     return (torch.cat(out) if out else torch.zeros(0, dtype=torch.float64))[copy_of.to(key.device)]
 
 
-def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0):
+def trace_hessian(net, inputs, positions, n_samples=50, n_repeats=5, seed=0):
     """App. B.2: unbiased estimate of Tr[∇²L] in the saturation regime -> (mean, std).
 
     With z the logits at the masked position, p = softmax(z) over the V words, J = ∂z/∂θ:
@@ -212,7 +212,7 @@ def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0):
     Fisher (Gauss-Newton) matrix, into an expectation over ỹ ~ p itself:
         Tr[∇²L] ≈ Tr[G] = mean over sentences of E_{ỹ ~ p_θ(·|x_-t)} ‖∇_θ log p_θ(ỹ | x_-t)‖².
     inputs [N, T] masked sentences, positions [N] their masked positions; p_θ from model_probs,
-    the squared norms from sq_grad_norms(model, inputs, positions, labels) -> float64 [K].
+    the squared norms from sq_grad_norms(net, inputs, positions, labels) -> float64 [K].
     The draws: one torch.multinomial(p_θ, n_repeats · n_samples, replacement=True) with a
     torch.Generator seeded `seed`; repetition r takes each sentence's draws r · n_samples ..
     (r + 1) · n_samples - 1 and averages the N · n_samples squared norms. Returns floats: the
@@ -223,12 +223,12 @@ def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0):
         raise ValueError(f"inputs must be [N, T] and positions [N]; got {tuple(inputs.shape)}, "
                          f"{tuple(positions.shape)}")
     # BEGIN EXERCISE trace_hessian
-    probs = model_probs(model, inputs, positions).cpu()                # (N, V) p_θ(·|x_-t)
+    probs = model_probs(net, inputs, positions).cpu()                  # (N, V) p_θ(·|x_-t)
     n, draws_per_sentence = probs.shape[0], n_repeats * n_samples
     draws = torch.multinomial(probs, draws_per_sentence, replacement=True,
                               generator=torch.Generator().manual_seed(seed))   # (N, R·S) ỹ
     sentence = torch.arange(n).repeat_interleave(draws_per_sentence).to(inputs.device)
-    norms = sq_grad_norms(model, inputs[sentence], positions[sentence],
+    norms = sq_grad_norms(net, inputs[sentence], positions[sentence],
                           draws.reshape(-1).to(inputs.device))       # (N·R·S,) ‖∇ log p(ỹ)‖²
     per_repeat = norms.cpu().view(n, n_repeats, n_samples).mean((0, 2))   # (R,)
     return per_repeat.mean().item(), per_repeat.std().item()
@@ -236,38 +236,38 @@ def trace_hessian(model, inputs, positions, n_samples=50, n_repeats=5, seed=0):
 
 
 # =========================== flatness that rescaling cannot fake, and the scale it is measured at
-def adaptive_trace(model, inputs, positions, n_samples=10, seed=0):
+def adaptive_trace(net, inputs, positions, n_samples=10, seed=0):
     """Tr(D G D) with D = diag(|θ|), G the Fisher matrix of trace_hessian: the trace in the
     coordinates of Kwon et al. (2021)'s adaptive sharpness, E_ỹ ‖θ ⊙ ∇_θ log p_θ(ỹ | x_-t)‖²
     over the sentences, ỹ ~ p_θ (n_samples per sentence, torch.multinomial seeded `seed`). A
     rescaling θ_i -> c_i θ_i that leaves the network's function unchanged (a LayerNorm's input
     weights, q against k, v against the output matrix) divides ∇_i by c_i: this is unchanged,
     where Tr G moves by c² (Dinh et al. 2017, "Sharp minima can generalize"). -> float."""
-    probs = model_probs(model, inputs, positions).cpu()
+    probs = model_probs(net, inputs, positions).cpu()
     draws = torch.multinomial(probs, n_samples, replacement=True,
                               generator=torch.Generator().manual_seed(seed))
     sentence = torch.arange(len(probs)).repeat_interleave(n_samples).to(inputs.device)
-    return sq_grad_norms(model, inputs[sentence], positions[sentence],
+    return sq_grad_norms(net, inputs[sentence], positions[sentence],
                          draws.reshape(-1).to(inputs.device), scaled=True).mean().item()
 
 
-def weight_norms(model):
+def weight_norms(net):
     """(‖θ‖, {tensor kind: its norm over every block}) of the trainable parameters, a kind named
     without the block index ("blocks.3.mlp.fc.weight" -> "blocks.mlp.fc.weight")."""
     squares = {}
-    for name, p in _params_and_buffers(model)[0].items():
+    for name, p in _params_and_buffers(net)[0].items():
         kind = re.sub(r"\.\d+\.", ".", name)
         squares[kind] = squares.get(kind, 0.0) + p.double().pow(2).sum().item()
     return math.sqrt(sum(squares.values())), {k: math.sqrt(v) for k, v in squares.items()}
 
 
 # ============================================= ∇²L itself: what the estimate leaves out
-def hessian_vector_products(model, inputs, positions, targets, vectors, batch_size=256):
+def hessian_vector_products(net, inputs, positions, targets, vectors, batch_size=256):
     """[∇²L v for v in vectors] by double backprop (Pearlmutter), L = pretraining_loss, summed
     over chunks of `batch_size` sentences each weighted by its share of the mean."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in net.parameters() if p.requires_grad]
     out = [[torch.zeros_like(p) for p in params] for _ in vectors]
-    fnet = vmappable(model)   # FunctionalLSTM: an LSTM with double backward on every device
+    fnet = vmappable(net)     # FunctionalLSTM: an LSTM with double backward on every device
     fparams = [p for p in fnet.parameters() if p.requires_grad]   # same order as `params`
     with measuring(fnet):
         for s in range(0, len(inputs), batch_size):
@@ -281,17 +281,17 @@ def hessian_vector_products(model, inputs, positions, targets, vectors, batch_si
     return out
 
 
-def hutchinson_trace(model, inputs, positions, targets, n_probes=100, seed=0, batch_size=256,
+def hutchinson_trace(net, inputs, positions, targets, n_probes=100, seed=0, batch_size=256,
                      probes_per_pass=10):
     """Hutchinson's Tr[∇²L] ≈ mean_k v_kᵀ ∇²L v_k with Rademacher v_k (as PyHessian) on the
     loss of the given targets (no saturation assumption) -> (mean, standard error)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in net.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(seed)
     values = []
     for s in range(0, n_probes, probes_per_pass):
         vs = [[(torch.randint(0, 2, p.shape, generator=gen) * 2 - 1).to(p) for p in params]
               for _ in range(min(probes_per_pass, n_probes - s))]
-        hvs = hessian_vector_products(model, inputs, positions, targets, vs, batch_size)
+        hvs = hessian_vector_products(net, inputs, positions, targets, vs, batch_size)
         values += [sum((a * b).sum().double() for a, b in zip(v, hv)).item()
                    for v, hv in zip(vs, hvs)]
     values = torch.tensor(values, dtype=torch.float64)
@@ -299,14 +299,14 @@ def hutchinson_trace(model, inputs, positions, targets, n_probes=100, seed=0, ba
     return values.mean().item(), sem
 
 
-def fisher_gap(model, inputs, positions, p_true, n_probes=30, seed=0):
+def fisher_gap(net, inputs, positions, p_true, n_probes=30, seed=0):
     """Tr[∇²L] - Tr[G] of the population loss on these sentences: the term trace_hessian drops,
     E Σ_w (p_θ(w) - p*(w)) Tr[∇²z_w], with the true conditional p* [N, V] (data.py) in place of
     sampled labels, so it carries no label noise. The cross-entropy is linear in its target, so
     this is the Hessian of CE(p* - p_θ, θ) with p_θ held fixed (the Fisher parts cancel), traced
     by Hutchinson; small near saturation, so few probes suffice. -> (mean, standard error)."""
-    p_model = model_probs(model, inputs, positions).to(p_true.device)
-    return hutchinson_trace(model, inputs, positions, (p_true - p_model).float(),
+    p_model = model_probs(net, inputs, positions).to(p_true.device)
+    return hutchinson_trace(net, inputs, positions, (p_true - p_model).float(),
                             n_probes=n_probes, seed=seed)
 
 
@@ -448,7 +448,7 @@ def measure_checkpoint(path, args):
     if bad:
         raise ValueError(f"{path}: its {', '.join(bad)} came out non-finite: no row saved")
     row.update(measured_settings(args), seed=DRAW_SEED, sentence_seed=SENTENCE_SEED,
-               n_params=model_lib.n_params(net), wall_s=round(time.time() - t0, 2))
+               n_params=model.n_params(net), wall_s=round(time.time() - t0, 2))
 
     return row
 

@@ -17,7 +17,7 @@ Reading order:
   paired_difference   two checkpoints on the same test sentences, per training seed and across
 After the banner, the plumbing: one checkpoint's row, the summary table, the command line.
 
-    python probe.py runs/e1-s0/ckpt_*.pt --seeds 3          # task: the language's first
+    python probe.py runs/e1-s0/ckpt_*.pt --probe-seeds 3          # task: the language's first
     python probe.py runs/e1-s0/ckpt_0006000.pt --method finetune
     python probe.py --summary runs/e1-s{0,1,2} --compare e1@3000 e1@last --plot e1.png
 
@@ -249,20 +249,20 @@ def sample_efficiency(x_train, y_train, x_test, y_test, probe):
     return sum(w * c.double() for w, (c, _) in zip(weights, each)), [c for _, c in each]
 
 
-def finetune(model, train_split, test_split, n_classes, seed, lr=3e-3, updates=(160,),
+def finetune(net, train_split, test_split, n_classes, seed, lr=3e-3, updates=(160,),
              width=None, warmup=FT_WARMUP, batch_size=FT_BATCH, device="cpu"):
     """Yields (n, correctness bool [n_test]) after each n of `updates` updates of a copy of the
     whole network plus a linear head on concat_features (App. A.4) through the probe's map,
     probe_map(D, width, seed) (None: the full width D): AdamW at lr after a linear warm-up of
     `warmup` updates, constant after (one run serves every n of `updates`), gradients clipped to
-    FT_CLIP, one reshuffle of the training split per pass. `model` is unchanged; the global RNG
+    FT_CLIP, one reshuffle of the training split per pass. `net` is unchanged; the global RNG
     (dropout's) is restored at the end."""
     (tok, lengths, y), (tok_test, lengths_test, y_test) = train_split, test_split
     T = max(tok.shape[1], tok_test.shape[1])  # one head for both splits: T·d inputs
     g = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        net = copy.deepcopy(model).to(device).train()
+        net = copy.deepcopy(net).to(device).train()           # a copy: `net` stays
         wide = T * net.features(tok[:1].to(device)).shape[-1]
         R = probe_map(wide, width, seed)
         R = (torch.eye(wide) if R is None else R.float()).to(device)
@@ -290,7 +290,7 @@ def finetune(model, train_split, test_split, n_classes, seed, lr=3e-3, updates=(
                 net.train()
 
 
-def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, width=None,
+def tuned_finetune(net, train_split, test_split, n_classes, n_seeds, width=None,
                    device="cpu", partial=None):
     """Fine-tuning as a protocol: for every lr of FT_LRS, one run of finetune with probe seed 0
     on the training split less its last 1/VALID_SHARE (the validation split, never a test
@@ -319,7 +319,7 @@ def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, width=Non
             if new and widened:                 # the replay of judged updates prints nothing
                 print(f"[finetune] widened: lr {lr:g} run to {new[-1]} updates, first new "
                       f"{new[0]}", file=sys.stderr, flush=True)
-            for n, c in finetune(model, fit, judged, n_classes, 0, lr, new, width,
+            for n, c in finetune(net, fit, judged, n_classes, 0, lr, new, width,
                                  device=device) if new else ():
                 correct[lr, n], val = c[n_val:], c[:n_val].float().mean().item()
                 grid.append({"lr": lr, "updates": n, "val_acc": val,
@@ -345,7 +345,7 @@ def tuned_finetune(model, train_split, test_split, n_classes, n_seeds, width=Non
         half_decade = lambda k: float(f"{10 ** ((round(2 * math.log10(lr)) + k) / 2):.0e}")
         lrs = [half_decade(-1)] * (lr == lrs[0]) + lrs + [half_decade(1)] * (lr == lrs[-1])
         ups = [ups[0] // 2] * (n == ups[0]) + ups + [2 * ups[-1]] * (n == ups[-1])
-    return [correct[lr, n]] + [list(finetune(model, fit, test_split, n_classes, s, lr, (n,),
+    return [correct[lr, n]] + [list(finetune(net, fit, test_split, n_classes, s, lr, (n,),
                                              width, device=device))[0][1]
                                for s in range(1, n_seeds)], grid, best, edge
 
@@ -484,7 +484,7 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
     """Probe one checkpoint on `task` with probe seeds 0..n_seeds-1 (solver: "solved",
     tuned_probe; "adamw", adamw_probe, its Gaussian map to width): its row."""
     t0 = time.time()
-    model, ckpt, lang = train.load_checkpoint(path, device=device, finite=True)
+    net, ckpt, lang = train.load_checkpoint(path, device=device, finite=True)
     task, n_classes = checked_task(path, ckpt, lang, task, method)
     settings = probe_settings(ckpt["step"], task, method, n_train, n_test, n_seeds, solver,
                               width, epochs)
@@ -497,8 +497,8 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
     if method in ("linear", "curve"):   # a lookup table's exact conditionals: small batches
         bs = 64 if ckpt["kind"] == "lookup" else FEATURE_BATCH
         with torch.no_grad():
-            x = concat_features(model, tok, lengths, device=device, batch_size=bs)
-            x_test = concat_features(model, tok_test, lengths_test, device=device, batch_size=bs)
+            x = concat_features(net, tok, lengths, device=device, batch_size=bs)
+            x_test = concat_features(net, tok_test, lengths_test, device=device, batch_size=bs)
     elif method == "onehot":
         n_ids = lang.vocab_size + data.N_SPECIAL
         x, x_test = word_features(tok, lengths, n_ids), word_features(tok_test, lengths_test, n_ids)
@@ -510,7 +510,7 @@ def probe_checkpoint(path, task, method="linear", n_train=N_TRAIN, n_test=N_TEST
     if method == "finetune":
         partial = os.path.join(os.path.dirname(path) or ".",
                                f"probe.jsonl.{os.path.basename(path)}.{task}.finetune.pt")
-        by_seed, grid, best, edge = tuned_finetune(model, *cache[key], n_classes, n_seeds,
+        by_seed, grid, best, edge = tuned_finetune(net, *cache[key], n_classes, n_seeds,
                                                    width, device, partial)
         os.remove(partial)                              # the row is whole: nothing to continue
         tuned = {"lr": best["lr"], "ft_grid": grid, "ft_choice": best, "ft_at_edge": edge}
@@ -891,8 +891,8 @@ def parse_args(argv=None):
       help=f"training examples (default {N_TRAIN})")
     a("--n-test", type=data.int_flag(1, 10 ** 7), default=N_TEST,
       help=f"held-out test examples (default {N_TEST})")
-    a("--seeds", type=data.int_flag(1, 1000), help=f"probe seeds 0..N-1 (default {N_SEEDS}; "
-      "1 for the solved probe at full width, which draws nothing)")
+    a("--probe-seeds", type=data.int_flag(1, 1000), help=f"probe seeds 0..N-1 (default "
+      f"{N_SEEDS}; 1 for the solved probe at full width, which draws nothing)")
     a("--probe", choices=PROBES, default="solved", help="solved (default): standardised, L2 "
       "chosen on a validation fifth, solved by L-BFGS; adamw: AdamW for fixed epochs")
     a("--width", type=data.int_flag(1, 10 ** 6), help="map the features to this width first "
@@ -902,9 +902,9 @@ def parse_args(argv=None):
     a("--device", type=train.device_flag, default="cpu", help="cpu (default) or cuda")
     data.threads_flag(p)
     args = p.parse_args(argv)
-    if args.seeds is None:
-        args.seeds = 1 if args.probe == "solved" and args.width is None and args.method in (
-            "linear", "curve", "onehot", "chart") else N_SEEDS
+    if args.probe_seeds is None:
+        args.probe_seeds = 1 if args.probe == "solved" and args.width is None and (
+            args.method in ("linear", "curve", "onehot", "chart")) else N_SEEDS
     bad = [m for m in [args.plot and data.unwritable(args.plot, "--plot")] if m]
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         bad.append("--plot needs matplotlib, which is not installed: pip install matplotlib")
@@ -922,7 +922,7 @@ def parse_args(argv=None):
 def main(argv=None):
     written = []                                   # the checkpoints whose rows are saved
     data.command("probe.py", lambda: measure(parse_args(argv), written),
-                 "--n-train, --n-test or --seeds", lambda: train.measured_so_far(
+                 "--n-train, --n-test or --probe-seeds", lambda: train.measured_so_far(
                      written, "probed", "probe.jsonl"))
 
 
@@ -936,7 +936,8 @@ def measure(args, written):
             plot_summary(table, args.plot, pairs)
         return
 
-    how = (args.method, args.n_train, args.n_test, args.seeds, args.probe, args.width, args.epochs)
+    how = (args.method, args.n_train, args.n_test, args.probe_seeds, args.probe, args.width,
+           args.epochs)
 
     def settings_of(path):
         ckpt = train.read_checkpoint(path)

@@ -4555,7 +4555,7 @@ def test_probe_finetune_default_recipe_beats_majority_class(tmp_path, monkeypatc
 
 
 # ----------------------------------------------------------------------------- command line
-_PROBE_CLI_SMALL = ["--task", "3", "--n-train", "20", "--n-test", "10", "--seeds", "1",
+_PROBE_CLI_SMALL = ["--task", "3", "--n-train", "20", "--n-test", "10", "--probe-seeds", "1",
                     "--device", "cpu"]
 
 
@@ -5098,7 +5098,7 @@ def test_dyck_json_of_a_short_real_run(monkeypatch, capsys):
 _REPRO_TRAIN = ["--lang", "hmm-small", "--batch", "32", "--eval-n", "40", "--log-every", "2",
                 "--eval-every", "2", "--threads", "1"]
 _REPRO_HESSIAN = ["--sentences", "24", "--samples", "2", "--repeats", "2", "--threads", "1"]
-_REPRO_PROBE = ["--task", "6", "--n-train", "64", "--n-test", "32", "--seeds", "2",
+_REPRO_PROBE = ["--task", "6", "--n-train", "64", "--n-test", "32", "--probe-seeds", "2",
                 "--device", "cpu"]
 _REPRO_COLUMNS = ["run", "step", "eval_loss", "entropy", "kl", "trace", "trace_std",
                   "adaptive_trace", "weight_norm", "linear_6_acc", "linear_6_acc_std"]
@@ -5543,7 +5543,7 @@ def test_faults_ctrl_c_and_sigterm_in_hessian_and_probe(tmp_path, script, sig):
     train.train(train.parse_args(_train_args(tmp_path, "--steps", 3, "--ckpt-every", 1,
                                              name="a")))
     ckpts = sorted(str(p) for p in (tmp_path / "a").glob("ckpt_*.pt"))
-    extra = (["--task", "3", "--n-train", "100", "--n-test", "50", "--seeds", "1", "--probe",
+    extra = (["--task", "3", "--n-train", "100", "--n-test", "50", "--probe-seeds", "1", "--probe",
               "adamw", "--epochs", "500"] if script == "probe.py" else
              ["--sentences", "100", "--repeats", "4", "--hvp-sentences", "50",
               "--fisher-gap", "10"])
@@ -5694,7 +5694,7 @@ def test_bad_input_metrics_of_the_wrong_type_stop_a_resume_in_one_line(tmp_path)
 
 @pytest.mark.parametrize("main, argv, said", [
     (probe.main, ["CKPT", "--n-test", str(10 ** 19)], "argument --n-test: must be in 1..10000000"),
-    (probe.main, ["CKPT", "--seeds", "5000"], "argument --seeds: must be in 1..1000"),
+    (probe.main, ["CKPT", "--probe-seeds", "5000"], "argument --probe-seeds: must be in 1..1000"),
     (data.main, ["hmm", "--n", str(10 ** 19), "--out", "OUT"], "argument --n: must be in 1.."),
     (dyck_theory.main, ["--m", str(10 ** 19)], "--m must be in 2..1048576"),
     (dyck_theory.main, ["--n", str(10 ** 12)], "--n must be in 1..1000000"),

@@ -109,7 +109,8 @@ def main():
     p.add_argument("--task", default="6", help="downstream task (default 6: HMM task-6)")
     p.add_argument("--n", type=int, default=10000, help="downstream training examples")
     p.add_argument("--n-test", type=int, default=2000, help="test examples (default 2000)")
-    p.add_argument("--seeds", type=int, default=probe.N_SEEDS, help="probe seeds (default 5)")
+    p.add_argument("--probe-seeds", type=int, default=probe.N_SEEDS,
+                   help="probe seeds (default 5)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -119,7 +120,7 @@ def main():
         paths = [args.ckpt] if args.ckpt else [make_checkpoint(folder, "lstm-small"),
                                                make_checkpoint(folder, "tf-2m", n_layers=1)]
         for path in paths:
-            bench(path, args.task, args.n, args.n_test, args.seeds)
+            bench(path, args.task, args.n, args.n_test, args.probe_seeds)
 
 
 if __name__ == "__main__":

@@ -148,7 +148,7 @@ def measure(seed):
     """Every measure of the module docstring at the pair (each script skips what it has)."""
     a, b, _ = pair(seed)
     common = ["--task", "A", "--n-test", "8000"]
-    record = ["--probe", "adamw", "--width", "512", "--seeds", "3", "--epochs", "400"]
+    record = ["--probe", "adamw", "--width", "512", "--probe-seeds", "3", "--epochs", "400"]
     run([sys.executable, "hessian.py", a, b, "--fisher-gap", "30"])
     for method in ("curve", "linear"):
         run([sys.executable, "probe.py", a, b, *common, "--method", method, "--n-train", "4000"])
@@ -157,7 +157,7 @@ def measure(seed):
             run([sys.executable, "probe.py", a, b, *common, *record, "--method", method,
                  "--n-train", "4000"])
     if os.environ.get("FINETUNE", "1") == "1":        # FINETUNE=0: no fine-tuning
-        run([sys.executable, "probe.py", a, b, *common, "--seeds", "1", "--method",
+        run([sys.executable, "probe.py", a, b, *common, "--probe-seeds", "1", "--method",
              "finetune", "--n-train", "500"])      # one probe seed: the grid's own run
 
 

@@ -13,7 +13,7 @@ set -eu
 s=$1 R=${RUNS:-runs}
 FAST="--precision bf16 --compile --runs $R"
 MODEL="--lang pcfg-deep --preset tf-deep --lr 5e-3 --batch 512"
-PROBE="--task A --n-train 500 --seeds 3 --probe adamw --width 512 --epochs 400 --n-test 2000"
+PROBE="--task A --n-train 500 --probe-seeds 3 --probe adamw --width 512 --epochs 400 --n-test 2000"
 ckpt() { printf "%s/deep-s%s/ckpt_%07d.pt" "$R" "$s" "$1"; }
 exit_step() {  # P: the first evaluated step with KL < 0.3, or nothing
   python -c "import json,sys

@@ -157,10 +157,10 @@ if [ "$way" = measure ]; then
   [ "$AGAINST" = larger ] && emb=$(ckpt "dose-emb$SIZE-s$s" 0)
   python hessian.py $pair $emb --fisher-gap 30
   for n in 4000 500; do
-    python probe.py $pair --task A --n-test 8000 --seeds 3 --probe adamw --n-train $n \
+    python probe.py $pair --task A --n-test 8000 --probe-seeds 3 --probe adamw --n-train $n \
       --epochs 400
   done
-  python probe.py $pair --task A --n-test 8000 --seeds 3 --method finetune --n-train 500
+  python probe.py $pair --task A --n-test 8000 --probe-seeds 3 --method finetune --n-train 500
   exit 0
 fi
 if [ "$way" = report ]; then

@@ -13,13 +13,14 @@ FAST="--precision bf16 --compile --runs $R"
 if [ "$setting" = deep ]; then
   SRC=$(ls "$R/deep-s$s"/ckpt_*.pt | tail -n 1)
   OPT="--lr 5e-3 --batch 512"
-  PROBE="--task A --n-train 500 --seeds 3 --probe adamw --width 512 --epochs 400 --n-test 2000"
+  PROBE="--task A --n-train 500 --probe-seeds 3 --probe adamw --width 512 --epochs 400"
+  PROBE="$PROBE --n-test 2000"
 else
   SRC=$R/lstm-s$s/ckpt_0006000.pt
   [ -f "$SRC" ] || python train.py --schedule const --steps 6000 --ckpt-every 1000 \
     --eval-every 1000 --seed "$s" --name "lstm-s$s" $FAST
   OPT="--lr 1e-2 --batch 256"
-  PROBE="--seeds 3 --probe adamw --width 512 --epochs 50 --n-test 5000"
+  PROBE="--probe-seeds 3 --probe adamw --width 512 --epochs 50 --n-test 5000"
 fi
 for w in 1 2; do
   run=$setting-w$w-s$s

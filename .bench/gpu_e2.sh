@@ -185,7 +185,7 @@ for s in $SEEDS; do
     timeout "$(left)" python hessian.py $need --fisher-gap 30 --device "$DEVICE" \
       > "$OUT/hessian-s$s.log" 2>&1 &
     for p in "${PROBES[@]}"; do
-      timeout "$(left)" python probe.py $need --task A --n-test 4000 --seeds 3 \
+      timeout "$(left)" python probe.py $need --task A --n-test 4000 --probe-seeds 3 \
         --probe adamw $p --device "$DEVICE" >> "$OUT/probe-s$s.log" 2>&1
     done
     wait

@@ -14,7 +14,7 @@ set -u
 DEVICE=${DEVICE:-cuda} STEPS=${STEPS:-10000} EVERY=${EVERY:-1000} RUNS=${RUNS:-runs-ps}
 OUT=${OUT:-out} TRAIN_LIMIT=${TRAIN_LIMIT:-330} MEASURE_LIMIT=${MEASURE_LIMIT:-170}
 SIZES=${SIZES:-"2x1 4x1 4x2 4x4 8x4 8x8"} SEEDS=${SEEDS:-"0 1 2"} E1_SEEDS=${E1_SEEDS:-"3 4 5"}
-PROBE="--task A --n-train 500 --seeds 3 --probe adamw --width 512 --epochs 400 --n-test 2000"
+PROBE="--task A --n-train 500 --probe-seeds 3 --probe adamw --width 512 --epochs 400 --n-test 2000"
 PROBE="$PROBE --device $DEVICE"
 mkdir -p "$OUT" "$RUNS"
 export PYTHONUNBUFFERED=1

@@ -5,7 +5,7 @@ difference with its test-set se (probe.paired_difference), the probe's accuracy 
 training sentences (how far it fits them), and the seconds it took. A converged setting changes
 by < 0.3 points when its epochs double. Sentences come from probe.downstream_data, the same for
 every setting (the first n_train of the largest training set).
-    python .bench/probe_sweep.py A.pt B.pt [--n-test 4000] [--seeds 3]
+    python .bench/probe_sweep.py A.pt B.pt [--n-test 4000] [--probe-seeds 3]
     python .bench/probe_sweep.py A.pt B.pt --grid 500:400,500:1600,500:6400 --no-projection
 """
 import argparse
@@ -30,7 +30,7 @@ def main():
     p.add_argument("b")
     p.add_argument("--task", default="A")
     p.add_argument("--n-test", type=int, default=4000)
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--probe-seeds", type=int, default=3)
     p.add_argument("--grid", type=lambda v: [tuple(map(int, c.split(":"))) for c in v.split(",")],
                    default=GRID, help="N_TRAIN:EPOCHS,... (default: the grid above)")
     p.add_argument("--no-projection", action="store_true", help="only without the projection")
@@ -57,12 +57,12 @@ def main():
                 x, y = x[:n_train], y[:n_train]
                 correct[name] = sum(probe.adamw_probe(x, y, x_t, y_t, n_classes, seed=s,
                                                       proj_dim=proj, epochs=epochs)[0].long()
-                                    for s in range(args.seeds))
+                                    for s in range(args.probe_seeds))
                 fit[name] = probe.adamw_probe(x, y, x, y, n_classes, seed=0, proj_dim=proj,
                                               epochs=epochs)[0].float().mean().item()
-            (diff,), (se,), _, _ = probe.paired_difference([correct["A"].tolist()],
-                                                           [correct["B"].tolist()], args.seeds)
-            acc = {k: c.float().mean().item() / args.seeds for k, c in correct.items()}
+            (diff,), (se,), _, _ = probe.paired_difference(
+                [correct["A"].tolist()], [correct["B"].tolist()], args.probe_seeds)
+            acc = {k: c.float().mean().item() / args.probe_seeds for k, c in correct.items()}
             print(f"{n_train:7d} {epochs:6d} {str(proj):>5} | {acc['A']:6.4f} {acc['B']:6.4f} "
                   f"{100 * diff:+7.2f} ± {100 * se:4.2f} | {fit['A']:6.4f} {fit['B']:6.4f} | "
                   f"{time.time() - t0:5.0f}", flush=True)
