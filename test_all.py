@@ -5800,7 +5800,8 @@ def test_bad_input_bench_e1_dose_refuses_in_one_line(tmp_path, env, argv, said):
     ({}, ["report", "abc"], "SEED and LATE must be whole numbers"),
     ({"LATE": "\u00b2"}, ["floor", "11"], "SEED and LATE must be whole numbers"),
     ({}, ["measure", "0", "1"], "measure takes one SEED (got 2)"),
-    ({}, ["flor", "1"], "the first word must be floor, measure, report or chain"),
+    ({}, ["flor", "1"], "the first word must be floor, measure, report, chain or decays"),
+    ({}, ["decays", "11", "12"], "no run {runs}/dose-b3-s11 (construct it first"),
 ])
 def test_bad_input_bench_controls_refuses_in_one_line(tmp_path, monkeypatch, capsys, env, argv,
                                                       said):

@@ -7,6 +7,7 @@ a rescaling-invariant trace beside Tr F and Tr H, every probe protocol.
     python .bench/controls.py measure SEED        # every measure at the pair (~40-90 min)
     python .bench/controls.py report SEED ...     # per seed, and 95 % t-intervals over seeds
     python .bench/controls.py chain SEED          # one seed's whole chain, E1 then E2, in order
+    python .bench/controls.py decays SEED ...     # decay length as a factor (after floor SEED)
     LATE=10 python .bench/controls.py ...         # the 7,000-step dose (default 20: 17,000)
     AGAINST=L4H4 python .bench/controls.py ...    # E2: tf-deep's floor against the larger
                                                   # model's checkpoint of nearest KL (or L8H2)
@@ -17,6 +18,13 @@ nearest A's, chosen by KL alone before anything else is measured (dose-finLATE-D
 tf-deep's floor, B = the larger model's checkpoint of nearest KL on its own floor's decay
 (e1_dose.sh's pair, both sides then at lr > 0 on B's: the larger model's floor itself where it
 matches). RUNS= sets the folder.
+
+Decay length as a factor (`decays`): B's branch point is 7,000 or 17,000 steps later than A's and
+its decay shorter (A's: 1,000 steps), so "trained longer" and "annealed shorter" are one contrast
+in the pair. `decays` adds full decays of every length in DECAYS from A's branch point (dose-fin3-D;
+floor made them from B's), measures every decay's end from both branch points by hessian.py and
+the solved area, and prints them per seed, then over seeds the later branch point minus the
+earlier at each decay length (the same decay, KL differs: said beside it).
 
 The measures, fixed before the runs: hessian.py --fisher-gap 30 (Tr F, Tr H, the adaptive trace,
 weight norms); on the root (task A) of the same 8,000 test sentences, the solved probe
@@ -175,6 +183,59 @@ def chain(seed):
         run([sys.executable, me, "measure", seed], AGAINST=size)
 
 
+def decays(seeds):
+    """Decay length as a factor: every full decay's end from both branch points (P + 3,000 and
+    P + 1,000 LATE), its KL, traces, weight norm and solved area; then, over seeds, late minus
+    early at each decay length."""
+    table = {}
+    for seed in seeds:
+        a_run = f"dose-b3-s{seed}"
+        evals(a_run)                                   # A first: a missing chain says so
+        early = train.ckpt_path(os.path.join(R, f"dose-s{seed}"), plateau_exit(seed) + 3000)
+        ends = {}
+        for d in DECAYS:
+            name = f"dose-fin3-{d}-s{seed}"
+            if not os.path.isfile(train.ckpt_path(os.path.join(R, name), train.read_checkpoint(
+                    early)["step"] + d)):
+                run([sys.executable, "train.py", "--branch-from", early, "--decay-steps", str(d),
+                     "--ckpt-every", str(d), "--eval-every", str(d), "--runs", R, "--name", name])
+            ends[3, d] = name
+        ends[3, 1000] = a_run
+        for d in DECAYS:
+            if os.path.isdir(os.path.join(R, f"dose-fin{LATE}-{d}-s{seed}")):
+                ends[int(LATE), d] = f"dose-fin{LATE}-{d}-s{seed}"
+        ckpts = [train.ckpt_path(os.path.join(R, n), evals(n)[-1]["step"]) for n in ends.values()]
+        run([sys.executable, "hessian.py", *ckpts, "--fisher-gap", "30"])
+        run([sys.executable, "probe.py", *ckpts, "--task", "A", "--n-test", "8000", "--method",
+             "curve", "--n-train", "4000"])
+        print(f"seed {seed}: branch point (P + 1,000 x), decay, KL ± se, Tr F, adaptive, ‖θ‖, "
+              f"solved area")
+        for (k, d), n in sorted(ends.items()):
+            c = train.ckpt_path(os.path.join(R, n), evals(n)[-1]["step"])
+            e, h = kl_at(c), rows_at(c, "hessian.jsonl")[-1:]
+            area = [r["acc"] for r in rows_at(c, "probe.jsonl")
+                    if probe.setting_name(r) == "curve_A" and r["n_test"] == 8000][-1:]
+            if not (h and area):             # another process measures it now: run again after
+                print(f"  {k:2d} {d:5d}  {e['kl']:.4f} ± {e['kl_se']:.4f}  not measured yet")
+                continue
+            (h,), area = h, area[0]
+            table[seed, k, d] = (e["kl"], 100 * area)
+            print(f"  {k:2d} {d:5d}  {e['kl']:.4f} ± {e['kl_se']:.4f}  {h['trace']:7.2f}  "
+                  f"{h['adaptive_trace']:8.4g}  {h['weight_norm']:7.2f}  {100 * area:.2f}")
+    print(f"over {len(seeds)} seed(s), P + 1,000 {LATE} minus P + 3,000 at the same decay length:")
+    for d in DECAYS:
+        got = [(table[s, int(LATE), d], table[s, 3, d]) for s in seeds
+               if (s, int(LATE), d) in table and (s, 3, d) in table]
+        if not got:
+            continue
+        gain = np.array([late[1] - early[1] for late, early in got])
+        dkl = np.mean([late[0] - early[0] for late, early in got])
+        ci = (" (95 % {2:+.2f} to {3:+.2f})".format(*probe.t_interval(gain)) if len(got) > 1
+              else "")
+        print(f"  {d:4d} steps: area {gain.mean():+.2f} points{ci}, dKL {dkl:+.4f}, "
+              f"{len(got)} seed(s)")
+
+
 def kl_at(ckpt):
     """The evaluation row of a checkpoint's run at its step."""
     step = train.read_checkpoint(ckpt)["step"]
@@ -303,21 +364,23 @@ def run(argv, **env):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     way, seeds = (argv[0], argv[1:]) if argv else (None, [])
-    if way not in ("floor", "measure", "report", "chain"):
-        sys.exit(f"controls.py: error: the first word must be floor, measure, report or chain"
-                 f" (got {way!r}); see the header: python .bench/controls.py -h")
-    if not seeds or (way != "report" and len(seeds) > 1):
-        sys.exit(f"controls.py: error: {way} takes {'SEED ...' if way == 'report' else 'one SEED'}"
+    if way not in ("floor", "measure", "report", "chain", "decays"):
+        sys.exit(f"controls.py: error: the first word must be floor, measure, report, chain or "
+                 f"decays (got {way!r}); see the header: python .bench/controls.py -h")
+    many = way in ("report", "decays")
+    if not seeds or (not many and len(seeds) > 1):
+        sys.exit(f"controls.py: error: {way} takes {'SEED ...' if many else 'one SEED'}"
                  f" (got {len(seeds)})")
     if AGAINST not in PAPER:
         sys.exit(f"controls.py: error: AGAINST must be later, L4H4 or L8H2, not {AGAINST}")
     if not all(re.fullmatch("[0-9]+", s) for s in [*seeds, LATE]):     # not "²": ASCII digits
         sys.exit(f"controls.py: error: SEED and LATE must be whole numbers, got {seeds}, {LATE}")
     try:
-        if AGAINST != "later" and way in ("floor", "chain"):
+        if AGAINST != "later" and way in ("floor", "chain", "decays"):
             raise ValueError(f"{way} takes no AGAINST: E2's pairs come from e1_dose.sh larger")
         {"floor": lambda: floor(seeds[0]), "measure": lambda: measure(seeds[0]),
-         "report": lambda: report(seeds), "chain": lambda: chain(seeds[0])}[way]()
+         "report": lambda: report(seeds), "chain": lambda: chain(seeds[0]),
+         "decays": lambda: decays(seeds)}[way]()
     except (ValueError, KeyError, OSError) as e:
         what = f"no field {e}" if isinstance(e, KeyError) else data.first_line(e)
         sys.exit(f"controls.py: error: {type(e).__name__}: {what}")
