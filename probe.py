@@ -249,20 +249,20 @@ def sample_efficiency(x_train, y_train, x_test, y_test, probe):
     return sum(w * c.double() for w, (c, _) in zip(weights, each)), [c for _, c in each]
 
 
-def finetune(net, train_split, test_split, n_classes, seed, lr=3e-3, updates=(160,),
+def finetune(pretrained, train_split, test_split, n_classes, seed, lr=3e-3, updates=(160,),
              width=None, warmup=FT_WARMUP, batch_size=FT_BATCH, device="cpu"):
     """Yields (n, correctness bool [n_test]) after each n of `updates` updates of a copy of the
     whole network plus a linear head on concat_features (App. A.4) through the probe's map,
     probe_map(D, width, seed) (None: the full width D): AdamW at lr after a linear warm-up of
     `warmup` updates, constant after (one run serves every n of `updates`), gradients clipped to
-    FT_CLIP, one reshuffle of the training split per pass. `net` is unchanged; the global RNG
+    FT_CLIP, one reshuffle of the training split per pass. `pretrained` is unchanged; the global RNG
     (dropout's) is restored at the end."""
     (tok, lengths, y), (tok_test, lengths_test, y_test) = train_split, test_split
     T = max(tok.shape[1], tok_test.shape[1])  # one head for both splits: T·d inputs
     g = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        net = copy.deepcopy(net).to(device).train()           # a copy: `net` stays
+        net = copy.deepcopy(pretrained).to(device).train()
         wide = T * net.features(tok[:1].to(device)).shape[-1]
         R = probe_map(wide, width, seed)
         R = (torch.eye(wide) if R is None else R.float()).to(device)

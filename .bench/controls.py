@@ -204,14 +204,14 @@ def decays(seeds):
         for d in DECAYS:
             if os.path.isdir(os.path.join(R, f"dose-fin{LATE}-{d}-s{seed}")):
                 ends[int(LATE), d] = f"dose-fin{LATE}-{d}-s{seed}"
-        ckpts = [train.ckpt_path(os.path.join(R, n), evals(n)[-1]["step"]) for n in ends.values()]
-        run([sys.executable, "hessian.py", *ckpts, "--fisher-gap", "30"])
-        run([sys.executable, "probe.py", *ckpts, "--task", "A", "--n-test", "8000", "--method",
-             "curve", "--n-train", "4000"])
+        ckpts = {k: train.ckpt_path(os.path.join(R, n), evals(n)[-1]["step"])
+                 for k, n in ends.items()}
+        run([sys.executable, "hessian.py", *ckpts.values(), "--fisher-gap", "30"])
+        run([sys.executable, "probe.py", *ckpts.values(), "--task", "A", "--n-test", "8000",
+             "--method", "curve", "--n-train", "4000"])
         print(f"seed {seed}: branch point (P + 1,000 x), decay, KL ± se, Tr F, adaptive, ‖θ‖, "
               f"solved area")
-        for (k, d), n in sorted(ends.items()):
-            c = train.ckpt_path(os.path.join(R, n), evals(n)[-1]["step"])
+        for (k, d), c in sorted(ckpts.items()):
             e, h = kl_at(c), rows_at(c, "hessian.jsonl")[-1:]
             area = [r["acc"] for r in rows_at(c, "probe.jsonl")
                     if probe.setting_name(r) == "curve_A" and r["n_test"] == 8000][-1:]
