@@ -22,7 +22,8 @@
 #   larger     E2 (Figs. 2, 5): a larger model of tf-deep's family (SIZE=L4H4, the default: 4
 #              layers x 4 heads, 796K parameters, 4x tf-deep's 201K; SIZE=L8H2: 8 layers x 2
 #              heads, 401K, 2x), trained on its own by the same recipe at its own lr (5e-3, the
-#              4 x 4's GPU pilot's; 1e-2, the 8 x 2's own sweep's, RESULTS) to its own P + 3000
+#              4 x 4's GPU pilot's; 1e-2, the 8 x 2's own sweep's, RESULTS; SIZE=L8H2lr5e-3: the
+#              8 x 2 at tf-deep's 5e-3, as the paper trains every size) to its own P + 3000
 #              and its floor decayed from there over 1000 steps evaluated every 25 (B's
 #              candidates), construct's first half; and the tf-deep floor A embedded in its
 #              architecture (model.grow, App. B.1.3: heads copied with an even split, or zero
@@ -52,7 +53,8 @@ case $SIZE in                               # the model's flags; tf-deep's embed
   "") WIDER="" LR=5e-3 ;;
   L4H4) WIDER="--n-heads 4" GROW="--grow-width 2 --grow-split even" LR=5e-3 ;;
   L8H2) WIDER="--n-layers 8" GROW="--grow-width 1 --grow-layers 4" LR=1e-2 ;;  # its own sweep's
-  *) echo "e1_dose.sh: SIZE must be L4H4 or L8H2, not $SIZE" >&2; exit 2 ;;
+  L8H2lr5e-3) WIDER="--n-layers 8" GROW="--grow-width 1 --grow-layers 4" LR=5e-3 ;;  # tf-deep's
+  *) echo "e1_dose.sh: SIZE must be L4H4, L8H2 or L8H2lr5e-3, not $SIZE" >&2; exit 2 ;;
 esac
 case $AGAINST in later|larger) ;; *)
   echo "e1_dose.sh: AGAINST must be later or larger, not $AGAINST" >&2; exit 2 ;;
