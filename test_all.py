@@ -5792,9 +5792,12 @@ def test_bad_input_bench_e1_dose_refuses_in_one_line(tmp_path, env, argv, said):
 @pytest.mark.parametrize("env, argv, said", [
     ({}, ["report", "11"], "no {runs}/dose-fin20-s11.json: run floor 11 first"),
     ({}, ["report", "11", "12"], "seed 11: no {runs}/dose-fin20-s11.json"),  # none has a pair
-    ({}, ["floor", "11"], "no run {runs}/dose-s11 (construct it first"),
-    ({"AGAINST": "L4H4"}, ["measure", "11"], "no run {runs}/dose-b3-s11"),
-    ({"AGAINST": "bogus"}, ["report", "11"], "AGAINST must be later, L4H4 or L8H2, not bogus"),
+    ({}, ["floor", "11"], "no run {runs}/dose-b3-s11 (construct it first"),
+    ({"AGAINST": "L8H2lr5e-3"}, ["floor", "11"], "no run {runs}/dose-b3-s11 (construct it"),
+    ({"AGAINST": "L8H2lr5e-3"}, ["report", "11"], "no {runs}/dose-L8H2lr5e-3fin-s11.json"),
+    ({"AGAINST": "L4H4"}, ["decays", "11"], "decays takes no AGAINST"),
+    ({"AGAINST": "L4H4"}, ["measure", "11"], "no {runs}/dose-L4H4fin-s11.json: run floor 11"),
+    ({"AGAINST": "bogus"}, ["report", "11"], "AGAINST must be one of later, L4H4, L8H2lr5e-3"),
     ({"AGAINST": "L4H4"}, ["chain", "11"], "chain takes no AGAINST"),
     ({"LATE": "x"}, ["floor", "11"], "SEED and LATE must be whole numbers"),
     ({}, ["report", "abc"], "SEED and LATE must be whole numbers"),
@@ -5847,6 +5850,39 @@ def test_bench_controls_next_decay_brackets_then_halves_or_doubles():
     assert next_decay({25: 0.0102, 26: 0.0096}, 0.0098) is None               # adjacent: done
     assert next_decay({1: 0.0090}, 0.0098) is None                            # nothing shorter
 
+
+
+@pytest.mark.parametrize("larger_floor, moved, a_run, b_run", [
+    (0.0080, "B", "dose-b3-s11", "dose-L8H2lr5e-3fin3-100-s11"),   # the larger model reaches up
+    (0.0120, "A", "dose-fin3-100-s11", "dose-L8H2lr5e-3b3-s11"),   # tf-deep reaches up
+])
+def test_bench_controls_e2_floor_moves_the_lower_side_to_the_other_kl(
+        tmp_path, monkeypatch, larger_floor, moved, a_run, b_run):
+    """E2's pair at lr 0: the side whose 1,000-step floor ends lower is the one whose shorter
+    decays (from its own P + 3,000) are searched for the other's KL; the other keeps its floor."""
+    monkeypatch.setenv("RUNS", str(tmp_path))
+    monkeypatch.setenv("AGAINST", "L8H2lr5e-3")
+    controls = _bench("controls")
+    mover = {"A": "", "B": "L8H2lr5e-3"}[moved]
+    target = 0.0100 if moved == "B" else larger_floor
+    finals = {25: target * 2, 50: target * 1.5, 100: target * 1.005, 200: target * 0.8,
+              400: target * 0.7, 800: target * 0.6}
+    ends = {f"dose-{mover}fin3-{d}-s11": kl for d, kl in finals.items()}
+    kls = {"dose-b3-s11": 0.0100, "dose-L8H2lr5e-3b3-s11": larger_floor, **ends}
+    monkeypatch.setattr(controls, "evals", lambda run: (
+        [{"step": 250, "kl": 0.5}, {"step": 4250, "kl": 0.2}] if run in
+        ("dose-s11", "dose-L8H2lr5e-3-s11") else [{"step": 9, "kl": kls[run], "kl_se": 1e-4}]))
+    starts = []
+    monkeypatch.setattr(controls, "decay_end", lambda start, d, name: (
+        starts.append(start) or {"step": 9, "kl": kls[name], "kl_se": 1e-4, "decay": d,
+                                 "run": name}))
+    controls.floor("11")
+    constant = "dose-s11" if moved == "A" else "dose-L8H2lr5e-3-s11"
+    assert set(starts) == {train.ckpt_path(str(tmp_path / constant), 8000)}   # P 5,000 + 3,000
+    with open(tmp_path / "dose-L8H2lr5e-3fin-s11.json") as f:
+        choice = json.load(f)
+    assert (choice["a_run"], choice["b_run"], choice["decay"]) == (a_run, b_run, 100)
+    assert choice["finals"]["1000"] == {"A": 0.0100, "B": larger_floor}[moved]
 
 def test_faults_resume_with_the_same_runs_folder_spelled_two_ways(tmp_path, monkeypatch):
     """A run made with an absolute --runs resumes with a relative one (the same folder), twice."""

@@ -9,15 +9,19 @@ a rescaling-invariant trace beside Tr F and Tr H, every probe protocol.
     python .bench/controls.py chain SEED          # one seed's whole chain, E1 then E2, in order
     python .bench/controls.py decays SEED ...     # decay length as a factor (after floor SEED)
     LATE=10 python .bench/controls.py ...         # the 7,000-step dose (default 20: 17,000)
-    AGAINST=L4H4 python .bench/controls.py ...    # E2: tf-deep's floor against the larger
-                                                  # model's checkpoint of nearest KL (or L8H2)
+    AGAINST=L8H2lr5e-3 python .bench/controls.py floor|measure|report SEED ...
+                                                  # E2 (after e1_dose.sh larger): tf-deep
+                                                  # against a larger model (or L4H4, L8H2)
 
 The pair. E1: A = the floor decayed over 1,000 steps from P + 3,000 (e1_dose.sh's dose-b3), B =
 a full decay from P + 1,000 LATE, of the length (DECAYS, then next_decay's) whose final KL is
-nearest A's, chosen by KL alone before anything else is measured (dose-finLATE-D). E2: A =
-tf-deep's floor, B = the larger model's checkpoint of nearest KL on its own floor's decay
-(e1_dose.sh's pair, both sides then at lr > 0 on B's: the larger model's floor itself where it
-matches). RUNS= sets the folder.
+nearest A's, chosen by KL alone before anything else is measured (dose-finLATE-D). E2, like with
+like: both models trained by the same recipe (L8H2lr5e-3, the primary pair: the 8 x 2 at
+tf-deep's lr, as the paper trains every size at one; L4H4 the 4 x 4, 4x tf-deep's parameters;
+L8H2 the 8 x 2 at its own lr 1e-2), each floor decayed over 1,000 steps from its own P + 3,000;
+the side whose floor ends lower reaches up to the other's KL by a shorter full decay from the
+same branch point (dose-fin3-D, or dose-SIZEfin3-D), chosen by KL alone. Both sides end at
+lr 0. RUNS= sets the folder.
 
 Decay length as a factor (`decays`): B's branch point is 7,000 or 17,000 steps later than A's and
 its decay shorter (A's: 1,000 steps), so "trained longer" and "annealed shorter" are one contrast
@@ -32,8 +36,10 @@ weight norms); on the root (task A) of the same 8,000 test sentences, the solved
 sample-efficiency area over 125 ... 4,000 sentences (probe.py --method curve; the transfer measure
 with room, the verdict's) and its accuracy on 4,000 (the ceiling row); the same two by the
 record's probe (AdamW, 400 epochs, 3 probe seeds, through a 512-d Gaussian map before the
-standardisation: the bridge to the earlier measurements; RECORD=0 skips it); and fine-tuning on
-500 sentences, tuned on their validation fifth, one probe seed (FINETUNE=0 skips it).
+standardisation: the bridge to the earlier measurements; RECORD=0 skips it); for models of unequal
+width (E2's 4 x 4: 1,024 against 512), the solved probe also through an orthonormal map to the
+smaller width (at equal widths it is no map); and fine-tuning on 500 sentences, tuned on their
+validation fifth, one probe seed, its head reading the same map (FINETUNE=0 skips it).
 """
 import json
 import math
@@ -51,16 +57,21 @@ import train  # noqa: E402
 
 DECAYS = (25, 50, 100, 200, 400, 800)     # lengths of B's full decay, to lr 0
 REFINE = 4                                # at most this many more lengths (next_decay)
-# (probe.setting_name of the rows, label): the solved probe at full width (the measure fixed
-# before the runs: its area; at the widths of E1 its orthonormal map is no map), the record's
-# probe through its 512-d Gaussian map (the bridge), fine-tuning tuned per side
-SETTINGS = (("curve_A", "solved, area"), ("linear_A", "solved, 4,000"),
-            ("curve_A_adamw_w512", "record's probe, area"),
-            ("linear_A_adamw_w512", "record's probe, 4,000"), ("finetune_A", "fine-tuned, 500"))
-PAPER = {"later": 1.6, "L4H4": 6.9, "L8H2": 6.9}   # the paper's effects, points (Figs. 1, 2)
+PAPER = {"later": 1.6, "L4H4": 6.9, "L8H2lr5e-3": 6.9, "L8H2": 6.9}   # points (Figs. 1, 2)
 R = os.path.abspath(os.environ.get("RUNS", "runs"))   # one folder, wherever a script runs
 LATE = os.environ.get("LATE", "20")
 AGAINST = os.environ.get("AGAINST", "later")
+MAPPED = {"L4H4": 512}    # E2 at unequal widths: both sides also solved through an orthonormal
+W = MAPPED.get(AGAINST)   # map to the smaller width, and fine-tuned through it
+# (probe.setting_name of the rows, label): the solved probe at full width (the measure fixed
+# before the runs: its area), the record's probe through its 512-d Gaussian map (the bridge),
+# the solved probe through the orthonormal map (unequal widths only), fine-tuning tuned per side
+SETTINGS = (("curve_A", "solved, area"), ("linear_A", "solved, 4,000"),
+            ("curve_A_adamw_w512", "record's probe, area"),
+            ("linear_A_adamw_w512", "record's probe, 4,000"),
+            *(((f"curve_A_w{W}", "solved via the map, area"),
+               (f"linear_A_w{W}", "solved via the map, 4,000")) if W else ()),
+            (f"finetune_A_w{W}" if W else "finetune_A", "fine-tuned, 500"))
 
 
 def evals(run):
@@ -74,11 +85,11 @@ def evals(run):
     return rows
 
 
-def plateau_exit(seed):
-    """P rounded up to the 1,000-step grid: the first evaluation of the constant run below 0.3."""
-    P = next((r["step"] for r in evals(f"dose-s{seed}") if r["kl"] < 0.3), None)
+def plateau_exit(run):
+    """P rounded up to the 1,000-step grid: the first evaluation of a constant run below 0.3."""
+    P = next((r["step"] for r in evals(run) if r["kl"] < 0.3), None)
     if P is None:
-        raise ValueError(f"seed {seed}: the constant run never reaches KL 0.3")
+        raise ValueError(f"{run}: the constant run never reaches KL 0.3")
     return (P + 999) // 1000 * 1000
 
 
@@ -93,63 +104,84 @@ def next_decay(finals, a_kl):
     return d if d >= 1 and d not in finals else None
 
 
-def floor(seed):
-    """E1's B: full decays of every length in DECAYS from P + 1,000 LATE, then next_decay's
-    lengths until one ends within 1 se of A's KL (at most REFINE more); the decay whose final KL
-    is nearest the floor A's, chosen by KL alone (and recorded in runs/dose-finLATE-s.json)."""
-    start = train.ckpt_path(os.path.join(R, f"dose-s{seed}"),
-                            plateau_exit(seed) + 1000 * int(LATE))
-    if not os.path.isfile(start):
-        raise ValueError(f"{start} is missing: run e1_dose.sh construct {seed} with LATE={LATE}")
-    a = evals(f"dose-b3-s{seed}")[-1]
-    finals = {}
+def decay_end(start, d, name):
+    """The last evaluation of runs/name, a full decay of d steps from checkpoint `start` to lr 0
+    (trained where its end is missing), with its length and run."""
+    if not os.path.isfile(train.ckpt_path(os.path.join(R, name), train.read_checkpoint(
+            start)["step"] + d)):
+        run([sys.executable, "train.py", "--branch-from", start, "--decay-steps", str(d),
+             "--ckpt-every", str(d), "--eval-every", str(d), "--runs", R, "--name", name])
+    return {**evals(name)[-1], "decay": d, "run": name}
 
-    def decay(d):
-        name = f"dose-fin{LATE}-{d}-s{seed}"
-        if not os.path.isfile(train.ckpt_path(os.path.join(R, name), train.read_checkpoint(
-                start)["step"] + d)):
-            run([sys.executable, "train.py", "--branch-from", start, "--decay-steps", str(d),
-                 "--ckpt-every", str(d), "--eval-every", str(d), "--runs", R, "--name", name])
-        finals[d] = {**evals(name)[-1], "decay": d}
-        return probe.match_kl(a["kl"], a["kl_se"], list(finals.values()))
+
+def nearest_decay(start, prefix, target, ends):
+    """Full decays from `start` (runs prefix-D) of every length in DECAYS, then next_decay's until
+    one ends within 1 se of target's KL (at most REFINE more), beside the finished decays `ends`
+    ({length: last evaluation}): (the end of nearest KL, chosen by KL alone; |dKL| in se; ends)."""
+    finals = dict(ends)
     for d in DECAYS:
-        (best, *_), margin = decay(d)
+        finals[d] = decay_end(start, d, prefix.format(d))
+    (best, *_), margin = probe.match_kl(target["kl"], target["kl_se"], list(finals.values()))
     for _ in range(REFINE):
-        d = next_decay({d: r["kl"] for d, r in finals.items()}, a["kl"])
+        d = next_decay({d: r["kl"] for d, r in finals.items()}, target["kl"])
         if margin < 1 or d is None:
             break
-        (best, *_), margin = decay(d)
-    choice = {"decay": best["decay"], "margin_se": margin, "a_kl": a["kl"],
-              "finals": {d: r["kl"] for d, r in sorted(finals.items())}}
-    data.write_whole(os.path.join(R, f"dose-fin{LATE}-s{seed}.json"),
-                     lambda f: json.dump(choice, f), mode="w")
-    print(f"seed {seed}: A's floor KL {a['kl']:.4f}; B = the {best['decay']}-step decay, KL "
-          f"{best['kl']:.4f} ({margin:.1f} se; finals "
+        finals[d] = decay_end(start, d, prefix.format(d))
+        (best, *_), margin = probe.match_kl(target["kl"], target["kl_se"], list(finals.values()))
+    return best, margin, finals
+
+
+def floor(seed):
+    """B at lr 0, chosen by KL alone before anything else is measured. E1: full decays from
+    P + 1,000 LATE of every length until one ends nearest the floor A's KL. E2: the two models'
+    floors (1,000 steps from their own P + 3,000); the side whose floor is lower reaches up by its
+    shorter decays from the same branch point to the other's floor (a shorter decay ends higher).
+    The choice is recorded in runs/dose-finLATE-sSEED.json (E2: dose-SIZEfin-sSEED.json)."""
+    a = {**evals(f"dose-b3-s{seed}")[-1], "decay": 1000, "run": f"dose-b3-s{seed}"}
+    if AGAINST == "later":
+        start = train.ckpt_path(os.path.join(R, f"dose-s{seed}"),
+                                plateau_exit(f"dose-s{seed}") + 1000 * int(LATE))
+        if not os.path.isfile(start):
+            raise ValueError(f"{start} is missing: run e1_dose.sh construct {seed} with "
+                             f"LATE={LATE}")
+        best, margin, finals = nearest_decay(start, f"dose-fin{LATE}-{{}}-s{seed}", a, {})
+        choice = {"decay": best["decay"], "margin_se": margin, "a_kl": a["kl"]}
+        path, a_run, b_run = f"dose-fin{LATE}-s{seed}.json", a["run"], best["run"]
+    else:
+        b = {**evals(f"dose-{AGAINST}b3-s{seed}")[-1], "decay": 1000,
+             "run": f"dose-{AGAINST}b3-s{seed}"}
+        low, high = (a, b) if a["kl"] <= b["kl"] else (b, a)
+        model = "" if low is a else f"{AGAINST}-"      # the side that reaches up: its run
+        start = train.ckpt_path(os.path.join(R, f"dose-{model}s{seed}"),
+                                plateau_exit(f"dose-{model}s{seed}") + 3000)
+        best, margin, finals = nearest_decay(start, f"dose-{model.rstrip('-')}fin3-{{}}-s{seed}",
+                                             high, {1000: low})
+        a_run, b_run = (best["run"], b["run"]) if low is a else (a["run"], best["run"])
+        choice = {"a_run": a_run, "b_run": b_run, "decay": best["decay"], "margin_se": margin}
+        path = f"dose-{AGAINST}fin-s{seed}.json"
+    choice["finals"] = {d: r["kl"] for d, r in sorted(finals.items())}
+    data.write_whole(os.path.join(R, path), lambda f: json.dump(choice, f), mode="w")
+    print(f"seed {seed}: A {a_run} KL {evals(a_run)[-1]['kl']:.4f}, B {b_run} KL "
+          f"{evals(b_run)[-1]['kl']:.4f} ({margin:.1f} se); the finals it was chosen from, by decay length: "
           + ", ".join(f"{d}: {r['kl']:.4f}" for d, r in sorted(finals.items())) + ")")
 
 
 def pair(seed):
-    """(A's checkpoint, B's checkpoint, |dKL| in se) of this seed's pair."""
-    a_run = f"dose-b3-s{seed}"
-    if AGAINST == "later":
-        path = os.path.join(R, f"dose-fin{LATE}-s{seed}.json")
-        if not os.path.isfile(path):
-            raise ValueError(f"seed {seed}: no {path}: run floor {seed} first")
-        try:
-            with open(path) as f:
-                choice = json.load(f)
-        except ValueError:
-            raise ValueError(f"seed {seed}: {path} is not whole JSON (cut short?): delete it "
-                             f"and run floor {seed} again") from None
-        b_run = f"dose-fin{LATE}-{choice['decay']}-s{seed}"
-        a, b = evals(a_run)[-1], evals(b_run)[-1]
-        return (train.ckpt_path(os.path.join(R, a_run), a["step"]),
-                train.ckpt_path(os.path.join(R, b_run), b["step"]), choice["margin_se"])
-    a, floor_b = evals(a_run)[-1], evals(f"dose-{AGAINST}b3-s{seed}")
-    ranked, margin = probe.match_kl(a["kl"], a["kl_se"], floor_b)
-    return (train.ckpt_path(os.path.join(R, a_run), a["step"]),
-            train.ckpt_path(os.path.join(R, f"dose-{AGAINST}b3-s{seed}"), ranked[0]["step"]),
-            margin)
+    """(A's checkpoint, B's checkpoint, |dKL| in se) of this seed's pair, as floor chose it."""
+    path = os.path.join(R, f"dose-fin{LATE}-s{seed}.json" if AGAINST == "later" else
+                        f"dose-{AGAINST}fin-s{seed}.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"seed {seed}: no {path}: run floor {seed} first")
+    try:
+        with open(path) as f:
+            choice = json.load(f)
+    except ValueError:
+        raise ValueError(f"seed {seed}: {path} is not whole JSON (cut short?): delete it "
+                         f"and run floor {seed} again") from None
+    a_run = choice.get("a_run", f"dose-b3-s{seed}")
+    b_run = choice.get("b_run", f"dose-fin{LATE}-{choice['decay']}-s{seed}")
+    return (*(train.ckpt_path(os.path.join(R, r), evals(r)[-1]["step"]) for r in (a_run, b_run)),
+            choice["margin_se"])
 
 
 def measure(seed):
@@ -164,22 +196,28 @@ def measure(seed):
         for method in ("curve", "linear"):
             run([sys.executable, "probe.py", a, b, *common, *record, "--method", method,
                  "--n-train", "4000"])
+    mapped = ["--width", str(W)] if W else []
+    for method in ("curve", "linear") if mapped else ():
+        run([sys.executable, "probe.py", a, b, *common, *mapped, "--method", method,
+             "--n-train", "4000"])
     if os.environ.get("FINETUNE", "1") == "1":        # FINETUNE=0: no fine-tuning
-        run([sys.executable, "probe.py", a, b, *common, "--probe-seeds", "1", "--method",
-             "finetune", "--n-train", "500"])      # one probe seed: the grid's own run
+        run([sys.executable, "probe.py", a, b, *common, *mapped, "--probe-seeds", "1",
+             "--method", "finetune", "--n-train", "500"])   # one probe seed: the grid's own run
 
 
 def chain(seed):
     """One seed's whole chain, each step skipping what exists (stop it anywhere, run it again):
     e1_dose.sh construct, E1's two floors (LATE 10 and 20) and their measures, then the larger
-    models (e1_dose.sh larger: the 4 x 4 and the 8 x 2) and E2's measures."""
+    models (e1_dose.sh larger: the 8 x 2 at tf-deep's lr, the 4 x 4, the 8 x 2 at its own),
+    E2's floors and measures."""
     me, dose = os.path.abspath(__file__), ".bench/e1_dose.sh"
     run(["bash", dose, "construct", seed], LATE="20", SIZE="")
     for late in ("10", "20"):
         run([sys.executable, me, "floor", seed], LATE=late)
         run([sys.executable, me, "measure", seed], LATE=late)
-    for size in ("L4H4", "L8H2"):
+    for size in ("L8H2lr5e-3", "L4H4", "L8H2"):
         run(["bash", dose, "larger", seed], SIZE=size)
+        run([sys.executable, me, "floor", seed], AGAINST=size)
         run([sys.executable, me, "measure", seed], AGAINST=size)
 
 
@@ -191,15 +229,9 @@ def decays(seeds):
     for seed in seeds:
         a_run = f"dose-b3-s{seed}"
         evals(a_run)                                   # A first: a missing chain says so
-        early = train.ckpt_path(os.path.join(R, f"dose-s{seed}"), plateau_exit(seed) + 3000)
-        ends = {}
-        for d in DECAYS:
-            name = f"dose-fin3-{d}-s{seed}"
-            if not os.path.isfile(train.ckpt_path(os.path.join(R, name), train.read_checkpoint(
-                    early)["step"] + d)):
-                run([sys.executable, "train.py", "--branch-from", early, "--decay-steps", str(d),
-                     "--ckpt-every", str(d), "--eval-every", str(d), "--runs", R, "--name", name])
-            ends[3, d] = name
+        early = train.ckpt_path(os.path.join(R, f"dose-s{seed}"),
+                                plateau_exit(f"dose-s{seed}") + 3000)
+        ends = {(3, d): decay_end(early, d, f"dose-fin3-{d}-s{seed}")["run"] for d in DECAYS}
         ends[3, 1000] = a_run
         for d in DECAYS:
             if os.path.isdir(os.path.join(R, f"dose-fin{LATE}-{d}-s{seed}")):
@@ -372,12 +404,12 @@ def main(argv=None):
         sys.exit(f"controls.py: error: {way} takes {'SEED ...' if many else 'one SEED'}"
                  f" (got {len(seeds)})")
     if AGAINST not in PAPER:
-        sys.exit(f"controls.py: error: AGAINST must be later, L4H4 or L8H2, not {AGAINST}")
+        sys.exit(f"controls.py: error: AGAINST must be one of {', '.join(PAPER)}, not {AGAINST}")
     if not all(re.fullmatch("[0-9]+", s) for s in [*seeds, LATE]):     # not "²": ASCII digits
         sys.exit(f"controls.py: error: SEED and LATE must be whole numbers, got {seeds}, {LATE}")
     try:
-        if AGAINST != "later" and way in ("floor", "chain", "decays"):
-            raise ValueError(f"{way} takes no AGAINST: E2's pairs come from e1_dose.sh larger")
+        if AGAINST != "later" and way in ("chain", "decays"):
+            raise ValueError(f"{way} takes no AGAINST: it runs E1's pairs (chain: E2's too)")
         {"floor": lambda: floor(seeds[0]), "measure": lambda: measure(seeds[0]),
          "report": lambda: report(seeds), "chain": lambda: chain(seeds[0]),
          "decays": lambda: decays(seeds)}[way]()
