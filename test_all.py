@@ -5884,6 +5884,31 @@ def test_bench_controls_e2_floor_moves_the_lower_side_to_the_other_kl(
     assert (choice["a_run"], choice["b_run"], choice["decay"]) == (a_run, b_run, 100)
     assert choice["finals"]["1000"] == {"A": 0.0100, "B": larger_floor}[moved]
 
+
+@pytest.mark.parametrize("against, mapped", [("L4H4", True), ("L8H2lr5e-3", False)])
+def test_bench_controls_e2_measures_unequal_widths_through_one_map(monkeypatch, against, mapped):
+    """E2 at unequal widths (the 4 x 4's 1,024 against 512): the solved probe runs at full width
+    and through the orthonormal map to 512, the fine-tuning head reads the same map, and the
+    report reads those rows; at equal widths nothing is mapped but the record's probe."""
+    monkeypatch.setenv("AGAINST", against)
+    monkeypatch.setenv("RECORD", "1")
+    monkeypatch.setenv("FINETUNE", "1")
+    controls = _bench("controls")
+    monkeypatch.setattr(controls, "pair", lambda seed: ("a.pt", "b.pt", 0.3))
+    ran = []
+    monkeypatch.setattr(controls, "run", lambda argv, **env: ran.append(argv[1:]))
+    controls.measure("11")
+    probes = [a for a in ran if a[0] == "probe.py"]
+    solved = [a for a in probes if "adamw" not in a and "finetune" not in a]
+    widths = lambda runs: sorted(a[a.index("--width") + 1] if "--width" in a else "full"
+                                 for a in runs)
+    assert widths(solved) == (["512", "512", "full", "full"] if mapped else ["full", "full"])
+    assert widths([a for a in probes if "finetune" in a]) == (["512"] if mapped else ["full"])
+    assert widths([a for a in probes if "adamw" in a]) == ["512", "512"]     # the record's map
+    names = [name for name, _ in controls.SETTINGS]
+    assert ("finetune_A_w512" in names, "curve_A_w512" in names) == (mapped, mapped)
+    assert ("finetune_A" in names) == (not mapped) and names[0] == "curve_A"
+
 def test_faults_resume_with_the_same_runs_folder_spelled_two_ways(tmp_path, monkeypatch):
     """A run made with an absolute --runs resumes with a relative one (the same folder), twice."""
     monkeypatch.chdir(tmp_path)
