@@ -162,8 +162,8 @@ def floor(seed):
     choice["finals"] = {d: r["kl"] for d, r in sorted(finals.items())}
     data.write_whole(os.path.join(R, path), lambda f: json.dump(choice, f), mode="w")
     print(f"seed {seed}: A {a_run} KL {evals(a_run)[-1]['kl']:.4f}, B {b_run} KL "
-          f"{evals(b_run)[-1]['kl']:.4f} ({margin:.1f} se); the finals it was chosen from, by decay length: "
-          + ", ".join(f"{d}: {r['kl']:.4f}" for d, r in sorted(finals.items())) + ")")
+          f"{evals(b_run)[-1]['kl']:.4f} ({margin:.1f} se); the finals it was chosen from, by "
+          f"decay length: " + ", ".join(f"{d}: {r['kl']:.4f}" for d, r in sorted(finals.items())))
 
 
 def pair(seed):
