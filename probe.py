@@ -829,13 +829,13 @@ def print_summary(columns, table, comparisons=()):
                     raise
                 lines, found = [f"{setting}: {e}"], []
             print("\n".join(lines))
-            pairs += [p for p in found if p[3] is not None and setting == settings[0]]
+            pairs += found if setting == settings[0] else []
     return pairs
 
 
 def plot_summary(table, path, pairs=()):
     """Figs. 1 and 3 in one: accuracy against KL, a line per run, the trace as colour, each
-    --compare pair joined (dotted where not matched)."""
+    --compare pair joined (solid: matched in KL; dotted: not; dashed: B at a named step)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -851,13 +851,14 @@ def plot_summary(table, path, pairs=()):
         ax.plot([r["kl"] for r in line], [r[acc] for r in line], "-", color="0.75", lw=0.8)
         points = ax.scatter([r["kl"] for r in line], [r[acc] for r in line],
                             c=[r["trace"] for r in line], cmap="viridis", norm=norm, s=10, zorder=2)
-    for _, a, b, margin in pairs:
-        ax.plot([a["kl"], b["kl"]], [a[acc], b[acc]], "k-" if margin < 2 else "k:", lw=0.7)
+    for _, a, b, margin in [p for p in pairs if p[1] in rows and p[2] in rows]:  # on the axes
+        style = "k--" if margin is None else "k-" if margin < 2 else "k:"
+        ax.plot([a["kl"], b["kl"]], [a[acc], b[acc]], style, lw=0.7)
         ax.scatter([a["kl"]], [a[acc]], c=[a["trace"]], cmap="viridis", norm=norm, s=40, marker="^",
                    edgecolors="k", linewidths=0.5, zorder=4)
     fig.colorbar(points, ax=ax, label="Tr[H] (Fisher)")
     ax.set(xscale="log", xlabel="KL(truth || model), nats", ylabel=acc, title="lines: runs; "
-           "triangles: A of each pair, joined to B at the nearest KL (solid: matched)")
+           "triangles: A of each pair, joined to its B (solid: matched in KL)")
     ax.title.set_fontsize(8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

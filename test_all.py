@@ -4068,7 +4068,9 @@ def test_probe_summary_paired_comparison_across_seeds(tmp_path, capsys):
     sentences; `kl` picks B's checkpoint of nearest KL and says whether it is matched."""
     runs, differences = _probe_seeded_runs(tmp_path)
     columns, table = probe.summary_table(runs)
-    probe.print_summary(columns, table, comparisons=[("e1@1000", "e1@last")])
+    pairs = probe.print_summary(columns, table, comparisons=[("e1@1000", "e1@last")])
+    assert [(s, a["step"], b["step"], m) for s, a, b, m in pairs] == [   # --plot joins these
+        (s, 1000, 2000, None) for s in range(3)]
     out = capsys.readouterr().out
     for seed, d in enumerate(differences):
         se = d.std(ddof=1) / math.sqrt(len(d))
@@ -4210,9 +4212,11 @@ def test_probe_summary_plot_of_matched_pairs(tmp_path):
     pytest.importorskip("matplotlib")
     runs, _ = _probe_toy_chain(tmp_path)
     path = str(tmp_path / "pairs.png")
-    probe.main(["--summary", *runs, "--compare", "br-*@last", "run@kl", "--plot", path])
-    with open(path, "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    for b in ("run@kl", "run@last"):                    # B at the nearest KL, B at a step
+        probe.main(["--summary", *runs, "--compare", "br-*@last", b, "--plot", path])
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        os.remove(path)
 
 
 @pytest.mark.parametrize("a, b, message", [
