@@ -5844,16 +5844,70 @@ def test_bad_input_bench_controls_names_the_file_at_fault(tmp_path, monkeypatch,
     assert said in str(e.value.code) and "\n" not in str(e.value.code), e.value.code
 
 
-def test_bench_controls_next_decay_brackets_then_halves_or_doubles():
-    """E1's B: the next decay length lies between the two that bracket A's KL (geometrically),
+def test_bench_reach_up_next_decay_brackets_then_halves_or_doubles():
+    """B's decay: the next length lies between the two that bracket A's KL (geometrically),
     below the shortest when every decay ends under A's KL, above the longest when none does."""
-    next_decay = _bench("controls").next_decay
+    next_decay = _bench("reach_up").next_decay
     assert next_decay({25: 0.0151, 50: 0.0122, 100: 0.0088}, 0.0098) == 71    # sqrt(50 x 100)
     assert next_decay({25: 0.0127, 50: 0.0115, 800: 0.0042}, 0.0147) == 12    # all below A's
     assert next_decay({400: 0.011, 800: 0.010}, 0.0098) == 1600               # all above A's
     assert next_decay({25: 0.0102, 26: 0.0096}, 0.0098) is None               # adjacent: done
     assert next_decay({1: 0.0090}, 0.0098) is None                            # nothing shorter
 
+
+
+def test_bench_reach_up_chooses_the_decay_whose_end_matches_a_by_kl_alone(monkeypatch):
+    """B's decay length: every length of DECAYS, then geometric bisection of the bracket until an
+    end lies within 1 se of A's KL; the choice is the nearest of every end tried."""
+    reach_up = _bench("reach_up")
+    final_kl = lambda d: 0.02 + 0.03 * math.exp(-d / 60)          # a longer decay ends lower
+    tried = []
+    monkeypatch.setattr(reach_up, "decay_end", lambda start, d, run_dir: tried.append(d) or {
+        "kl": final_kl(d), "kl_se": 1e-4, "decay": d, "run": os.path.basename(run_dir)})
+    a = {"kl": final_kl(137), "kl_se": 1e-4}
+    best, margin, finals = reach_up.nearest_decay("later.pt", "/runs/bl{}-s0", a, {})
+    assert tried == [25, 50, 100, 200, 400, 800, 141, 119, 130, 135]      # sqrt(100 x 200), ...
+    assert (best["decay"], best["run"]) == (135, "bl135-s0") and set(finals) == set(tried)
+    assert margin == pytest.approx(abs(final_kl(135) - a["kl"]) / math.sqrt(2e-8)) and margin < 1
+
+
+def test_bench_reach_up_trains_the_decays_and_prints_b(tmp_path, monkeypatch, capsys):
+    """The quick start's B, end to end (train.py in this process): A is a 2-step decay of the
+    constant run's step 12, so the candidate of the same length ends at A's very KL; stdout is
+    B's checkpoint alone, every candidate a full decay with one checkpoint, at its end."""
+    reach_up = _bench("reach_up")
+    monkeypatch.setattr(reach_up, "DECAYS", (1, 2, 4))
+    def in_process(argv, **env):                    # run's subprocess writes to stderr too
+        with contextlib.redirect_stdout(sys.stderr):
+            train.train(train.parse_args(argv[2:]))
+    monkeypatch.setattr(reach_up, "run", in_process)
+    train.train(train.parse_args(_train_args(tmp_path, "--schedule", "const", "--steps", 12,
+                                             "--ckpt-every", 6, "--eval-every", 6, name="c-s0")))
+    later = train.ckpt_path(str(tmp_path / "c-s0"), 12)
+    train.train(train.parse_args(["--branch-from", later, "--decay-steps", "2", "--ckpt-every",
+                                  "2", "--eval-every", "2", "--runs", str(tmp_path),
+                                  "--name", "a-s0"]))
+    capsys.readouterr()
+    reach_up.main([later, str(tmp_path / "a-s0")])
+    assert capsys.readouterr().out == train.ckpt_path(str(tmp_path / "cl2-s0"), 14) + "\n"
+    for d in (1, 2, 4):
+        assert train.list_checkpoints(str(tmp_path / f"cl{d}-s0")) == [
+            train.ckpt_path(str(tmp_path / f"cl{d}-s0"), 12 + d)]
+    with pytest.raises(SystemExit) as e:             # A at the later checkpoint's own KL
+        reach_up.main([later, str(tmp_path / "c-s0")])
+    assert "at or below A's" in str(e.value.code) and "\n" not in str(e.value.code)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["{tmp}/x/ckpt_0000012.pt", "{tmp}/a-s0", "--name", "bl-s0"], "needs {} where the decay"),
+    (["{tmp}/x/ckpt_0000012.pt", "{tmp}/a-s0"], "--name FORMAT is needed: x is not named"),
+    (["{tmp}/c-s0/ckpt_0000012.pt", "{tmp}/a-s0"], "reach_up.py: error: no run {tmp}/a-s0"),
+])
+def test_bad_input_bench_reach_up_refuses_in_one_line(tmp_path, capsys, argv, said):
+    with pytest.raises(SystemExit) as e:
+        _bench("reach_up").main([a.format(tmp=tmp_path) for a in argv])
+    assert said.replace("{tmp}", str(tmp_path)) in str(e.value.code) + capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("larger_floor, moved, a_run, b_run", [
@@ -5877,9 +5931,9 @@ def test_bench_controls_e2_floor_moves_the_lower_side_to_the_other_kl(
         [{"step": 250, "kl": 0.5}, {"step": 4250, "kl": 0.2}] if run in
         ("dose-s11", "dose-L8H2lr5e-3-s11") else [{"step": 9, "kl": kls[run], "kl_se": 1e-4}]))
     starts = []
-    monkeypatch.setattr(controls, "decay_end", lambda start, d, name: (
-        starts.append(start) or {"step": 9, "kl": kls[name], "kl_se": 1e-4, "decay": d,
-                                 "run": name}))
+    monkeypatch.setattr(controls.reach_up, "decay_end", lambda start, d, run_dir: (
+        starts.append(start) or {"step": 9, "kl": kls[os.path.basename(run_dir)], "kl_se": 1e-4,
+                                 "decay": d, "run": os.path.basename(run_dir)}))
     controls.floor("11")
     constant = "dose-s11" if moved == "A" else "dose-L8H2lr5e-3-s11"
     assert set(starts) == {train.ckpt_path(str(tmp_path / constant), 8000)}   # P 5,000 + 3,000

@@ -45,18 +45,18 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data  # noqa: E402
 import probe  # noqa: E402
+import reach_up  # noqa: E402  (the search for B's decay length, and run)
 import train  # noqa: E402
+from reach_up import DECAYS, run  # noqa: E402
 
-DECAYS = (25, 50, 100, 200, 400, 800)     # lengths of B's full decay, to lr 0
-REFINE = 4                                # at most this many more lengths (next_decay)
 PAPER = {"later": 1.6, "L4H4": 6.9, "L8H2lr5e-3": 6.9, "L8H2": 6.9}   # points (Figs. 1, 2)
 R = os.path.abspath(os.environ.get("RUNS", "runs"))   # one folder, wherever a script runs
 LATE = os.environ.get("LATE", "20")
@@ -93,42 +93,10 @@ def plateau_exit(run):
     return (P + 999) // 1000 * 1000
 
 
-def next_decay(finals, a_kl):
-    """The next decay length to try, from {length: final KL}, or None: geometrically between the
-    two lengths whose final KLs bracket A's; half the shortest where every decay ends below A's
-    KL, twice the longest where none does (a longer decay ends lower)."""
-    above = [d for d, kl in finals.items() if kl > a_kl]
-    below = [d for d, kl in finals.items() if kl <= a_kl]
-    d = (min(below) // 2 if not above else 2 * max(above) if not below else
-         round(math.sqrt(max(above) * min(below))))
-    return d if d >= 1 and d not in finals else None
 
 
-def decay_end(start, d, name):
-    """The last evaluation of runs/name, a full decay of d steps from checkpoint `start` to lr 0
-    (trained where its end is missing), with its length and run."""
-    if not os.path.isfile(train.ckpt_path(os.path.join(R, name), train.read_checkpoint(
-            start)["step"] + d)):
-        run([sys.executable, "train.py", "--branch-from", start, "--decay-steps", str(d),
-             "--ckpt-every", str(d), "--eval-every", str(d), "--runs", R, "--name", name])
-    return {**evals(name)[-1], "decay": d, "run": name}
 
 
-def nearest_decay(start, prefix, target, ends):
-    """Full decays from `start` (runs prefix-D) of every length in DECAYS, then next_decay's until
-    one ends within 1 se of target's KL (at most REFINE more), beside the finished decays `ends`
-    ({length: last evaluation}): (the end of nearest KL, chosen by KL alone; |dKL| in se; ends)."""
-    finals = dict(ends)
-    for d in DECAYS:
-        finals[d] = decay_end(start, d, prefix.format(d))
-    (best, *_), margin = probe.match_kl(target["kl"], target["kl_se"], list(finals.values()))
-    for _ in range(REFINE):
-        d = next_decay({d: r["kl"] for d, r in finals.items()}, target["kl"])
-        if margin < 1 or d is None:
-            break
-        finals[d] = decay_end(start, d, prefix.format(d))
-        (best, *_), margin = probe.match_kl(target["kl"], target["kl_se"], list(finals.values()))
-    return best, margin, finals
 
 
 def floor(seed):
@@ -144,7 +112,8 @@ def floor(seed):
         if not os.path.isfile(start):
             raise ValueError(f"{start} is missing: run e1_dose.sh construct {seed} with "
                              f"LATE={LATE}")
-        best, margin, finals = nearest_decay(start, f"dose-fin{LATE}-{{}}-s{seed}", a, {})
+        best, margin, finals = reach_up.nearest_decay(
+            start, os.path.join(R, f"dose-fin{LATE}-{{}}-s{seed}"), a, {})
         choice = {"decay": best["decay"], "margin_se": margin, "a_kl": a["kl"]}
         path, a_run, b_run = f"dose-fin{LATE}-s{seed}.json", a["run"], best["run"]
     else:
@@ -154,8 +123,8 @@ def floor(seed):
         model = "" if low is a else f"{AGAINST}-"      # the side that reaches up: its run
         start = train.ckpt_path(os.path.join(R, f"dose-{model}s{seed}"),
                                 plateau_exit(f"dose-{model}s{seed}") + 3000)
-        best, margin, finals = nearest_decay(start, f"dose-{model.rstrip('-')}fin3-{{}}-s{seed}",
-                                             high, {1000: low})
+        decays = os.path.join(R, f"dose-{model.rstrip('-')}fin3-{{}}-s{seed}")
+        best, margin, finals = reach_up.nearest_decay(start, decays, high, {1000: low})
         a_run, b_run = (best["run"], b["run"]) if low is a else (a["run"], best["run"])
         choice = {"a_run": a_run, "b_run": b_run, "decay": best["decay"], "margin_se": margin}
         path = f"dose-{AGAINST}fin-s{seed}.json"
@@ -231,7 +200,9 @@ def decays(seeds):
         evals(a_run)                                   # A first: a missing chain says so
         early = train.ckpt_path(os.path.join(R, f"dose-s{seed}"),
                                 plateau_exit(f"dose-s{seed}") + 3000)
-        ends = {(3, d): decay_end(early, d, f"dose-fin3-{d}-s{seed}")["run"] for d in DECAYS}
+        ends = {(3, d): f"dose-fin3-{d}-s{seed}" for d in DECAYS}
+        for d in DECAYS:                                 # each trained where it is missing
+            reach_up.decay_end(early, d, os.path.join(R, ends[3, d]))
         ends[3, 1000] = a_run
         for d in DECAYS:
             if os.path.isdir(os.path.join(R, f"dose-fin{LATE}-{d}-s{seed}")):
@@ -384,13 +355,6 @@ def summarise(gains, n_matched):
                   f"partial r² given dKL of log {partial}")
 
 
-def run(argv, **env):
-    """A script of the project (with these environment variables), its output shown; its failure
-    a one-line error."""
-    print("$ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *argv[1:]]), flush=True)
-    if subprocess.run(argv, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                      env={**os.environ, "OMP_NUM_THREADS": "1", **env}).returncode:
-        raise ValueError(f"{argv[1]} failed (its message above)")
 
 
 def main(argv=None):

@@ -1,0 +1,129 @@
+"""Two checkpoints at the same pre-training loss, both at lr 0, by construction (§2.3's "same
+loss", made exact): A is a finished decay (train.py --branch-from); B is a full decay, to lr 0,
+from a later checkpoint of the same constant run, of the length whose final KL is nearest A's.
+A shorter decay ends higher, a longer one lower, so the lengths DECAYS, then next_decay's
+(geometric bisection), are tried until one ends within 1 se of A's KL, REFINE more at most; the
+choice is made on the KL alone, before anything else is measured. The quick start's B, and
+.bench/controls.py's floor (its E1 and E2 pairs).
+
+    B=$(python .bench/reach_up.py runs/e1-s0/ckpt_0003000.pt runs/e1e-s0)
+
+trains runs/e1l25-s0, runs/e1l50-s0, ... (one checkpoint each, at the decay's end; --name
+FORMAT, {} the length, names them otherwise), prints the chosen end's checkpoint (stdout) and
+A's and B's KL (stderr); a B more than 2 se from A's KL is a one-line error.
+"""
+import argparse
+import math
+import os
+import re
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import data  # noqa: E402
+import probe  # noqa: E402
+import train  # noqa: E402
+
+DECAYS = (25, 50, 100, 200, 400, 800)     # lengths of B's full decay, to lr 0
+REFINE = 4                                # at most this many more lengths (next_decay)
+
+
+def run(argv, **env):
+    """A script of the project (with these environment variables), its output shown on stderr
+    (stdout is the answer's); its failure a one-line error."""
+    print("$ " + " ".join([*(f"{k}={v}" for k, v in env.items()), *argv[1:]]), file=sys.stderr,
+          flush=True)
+    if subprocess.run(argv, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+                      stdout=sys.stderr).returncode:
+        raise ValueError(f"{argv[1]} failed (its message above)")
+
+
+def last_eval(run_dir):
+    """The last evaluation row of a run (its KL and kl_se), or a one-line error naming it."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"no run {run_dir} (train it first)")
+    rows = [r for r in data.read_rows(path) if "kl" in r]
+    if not rows:
+        raise ValueError(f"{path} has no evaluation rows yet (a run stopped before its first)")
+    return rows[-1]
+
+
+def next_decay(finals, a_kl):
+    """The next decay length to try, from {length: final KL}, or None: geometrically between the
+    two lengths whose final KLs bracket A's; half the shortest where every decay ends below A's
+    KL, twice the longest where none does (a longer decay ends lower)."""
+    above = [d for d, kl in finals.items() if kl > a_kl]
+    below = [d for d, kl in finals.items() if kl <= a_kl]
+    d = (min(below) // 2 if not above else 2 * max(above) if not below else
+         round(math.sqrt(max(above) * min(below))))
+    return d if d >= 1 and d not in finals else None
+
+
+def decay_end(start, d, run_dir):
+    """The last evaluation of run_dir, a full decay of d steps from checkpoint `start` to lr 0
+    (trained where its end is missing), with its length and run name."""
+    runs, name = os.path.split(run_dir)
+    if not os.path.isfile(train.ckpt_path(run_dir, train.read_checkpoint(start)["step"] + d)):
+        run([sys.executable, "train.py", "--branch-from", start, "--decay-steps", str(d),
+             "--ckpt-every", str(d), "--eval-every", str(d), "--runs", runs, "--name", name])
+    return {**last_eval(run_dir), "decay": d, "run": name}
+
+
+def nearest_decay(start, run_format, target, ends):
+    """Full decays from `start` (run folders run_format.format(D)) of every length in DECAYS,
+    then next_decay's until one ends within 1 se of target's KL (at most REFINE more), beside the
+    finished decays `ends` ({length: last evaluation}): (the end of nearest KL, chosen by KL
+    alone; |dKL| in se; every end by length)."""
+    finals = dict(ends)
+    for d in DECAYS:
+        finals[d] = decay_end(start, d, run_format.format(d))
+    (best, *_), margin = probe.match_kl(target["kl"], target["kl_se"], list(finals.values()))
+    for _ in range(REFINE):
+        d = next_decay({d: r["kl"] for d, r in finals.items()}, target["kl"])
+        if margin < 1 or d is None:
+            break
+        finals[d] = decay_end(start, d, run_format.format(d))
+        (best, *_), margin = probe.match_kl(target["kl"], target["kl_se"], list(finals.values()))
+    return best, margin, finals
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("later", help="the later checkpoint of a --schedule const run (B's start)")
+    p.add_argument("a_run", help="A's run folder, a finished decay (its last evaluation)")
+    p.add_argument("--name", help="B's run names, {} the decay length (default: the later run "
+                   "GROUP-sSEED gives GROUPl{}-sSEED)")
+    args = p.parse_args(argv)
+    source = os.path.basename(os.path.dirname(os.path.abspath(args.later)))     # GROUP-sSEED
+    group_seed = re.fullmatch(r"(.*)-s(\d+)", source)
+    if args.name is None and not group_seed:
+        p.error(f"--name FORMAT is needed: {source} is not named GROUP-sSEED")
+    if "{}" not in (args.name or "{}"):
+        p.error(f"--name {args.name!r} needs {{}} where the decay length goes")
+    name = args.name or f"{group_seed[1]}l{{}}-s{group_seed[2]}"
+    later_run = os.path.dirname(os.path.abspath(args.later))
+    runs = os.path.dirname(later_run)
+    try:
+        a, step = last_eval(args.a_run), train.read_checkpoint(args.later)["step"]
+        for r in data.read_rows(os.path.join(later_run, "metrics.jsonl")):
+            if r["step"] == step and r.get("kl", math.inf) <= a["kl"]:   # no decay reaches up
+                raise ValueError(f"{args.later} is at KL {r['kl']:.4f}, at or below A's "
+                                 f"{a['kl']:.4f}, and every decay from it ends lower: start "
+                                 f"from an earlier checkpoint")
+        best, margin, finals = nearest_decay(args.later, os.path.join(runs, name), a, {})
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"reach_up.py: error: {data.first_line(e)}")
+    print(f"A {os.path.basename(os.path.normpath(args.a_run))} KL {a['kl']:.4f} ± "
+          f"{a['kl_se']:.4f}; B {best['run']} KL {best['kl']:.4f} ({margin:.1f} se apart), from "
+          f"the ends " + ", ".join(f"{d}: {r['kl']:.4f}" for d, r in sorted(finals.items())),
+          file=sys.stderr)
+    if margin >= 2:
+        sys.exit(f"reach_up.py: error: no decay from {args.later} ends within 2 se of A's KL "
+                 f"(nearest {margin:.1f} se): try a later or earlier start")
+    print(train.ckpt_path(os.path.join(runs, best["run"]), best["step"]))
+
+
+if __name__ == "__main__":
+    main()
