@@ -5871,12 +5871,23 @@ def test_bench_reach_up_chooses_the_decay_whose_end_matches_a_by_kl_alone(monkey
     assert margin == pytest.approx(abs(final_kl(135) - a["kl"]) / math.sqrt(2e-8)) and margin < 1
 
 
+def test_bench_reach_up_starts_from_the_latest_checkpoint_above_a():
+    """B's start: the latest checkpoint past A's end whose KL is 2 combined se above A's."""
+    start_of = _bench("reach_up").start_of
+    rows = [{"step": t, "kl": kl, "kl_se": 0.001} for t, kl in
+            ((500, 0.09), (1000, 0.05), (1500, 0.031), (2000, 0.0329), (2500, 0.0328))]
+    a = {"step": 1000, "kl": 0.03, "kl_se": 0.001}
+    assert start_of(rows, a) == 2000          # 2,500 is 1.98 se above; 500's lies before A's end
+    assert start_of(rows, {**a, "kl": 0.05}) is None
+
+
 def test_bench_reach_up_trains_the_decays_and_prints_b(tmp_path, monkeypatch, capsys):
-    """The quick start's B, end to end (train.py in this process): A is a 2-step decay of the
-    constant run's step 12, so the candidate of the same length ends at A's very KL; stdout is
-    B's checkpoint alone, every candidate a full decay with one checkpoint, at its end."""
+    """The quick start's B, end to end (train.py in this process): A's KL is that of a 4-step
+    decay from the constant run's step 12, so the candidate of that length ends at it exactly;
+    stdout is B's checkpoint alone, every candidate a full decay with one checkpoint, its end."""
     reach_up = _bench("reach_up")
     monkeypatch.setattr(reach_up, "DECAYS", (1, 2, 4))
+
     def in_process(argv, **env):                    # run's subprocess writes to stderr too
         with contextlib.redirect_stdout(sys.stderr):
             train.train(train.parse_args(argv[2:]))
@@ -5884,24 +5895,30 @@ def test_bench_reach_up_trains_the_decays_and_prints_b(tmp_path, monkeypatch, ca
     train.train(train.parse_args(_train_args(tmp_path, "--schedule", "const", "--steps", 12,
                                              "--ckpt-every", 6, "--eval-every", 6, name="c-s0")))
     later = train.ckpt_path(str(tmp_path / "c-s0"), 12)
-    train.train(train.parse_args(["--branch-from", later, "--decay-steps", "2", "--ckpt-every",
-                                  "2", "--eval-every", "2", "--runs", str(tmp_path),
-                                  "--name", "a-s0"]))
+    train.train(train.parse_args(["--branch-from", later, "--decay-steps", "4", "--ckpt-every",
+                                  "4", "--eval-every", "4", "--runs", str(tmp_path / "ref"),
+                                  "--name", "ref"]))
+    end = data.read_rows(str(tmp_path / "ref" / "ref" / "metrics.jsonl"))[-1]
+    (tmp_path / "a-s0").mkdir()                                   # A: ends at step 8 at that KL
+    (tmp_path / "a-s0" / "metrics.jsonl").write_text(json.dumps({**end, "step": 8}) + "\n")
     capsys.readouterr()
-    reach_up.main([later, str(tmp_path / "a-s0")])
-    assert capsys.readouterr().out == train.ckpt_path(str(tmp_path / "cl2-s0"), 14) + "\n"
+    reach_up.main([str(tmp_path / "c-s0"), str(tmp_path / "a-s0")])
+    assert capsys.readouterr().out == train.ckpt_path(str(tmp_path / "cl4-s0"), 16) + "\n"
     for d in (1, 2, 4):
         assert train.list_checkpoints(str(tmp_path / f"cl{d}-s0")) == [
             train.ckpt_path(str(tmp_path / f"cl{d}-s0"), 12 + d)]
-    with pytest.raises(SystemExit) as e:             # A at the later checkpoint's own KL
-        reach_up.main([later, str(tmp_path / "c-s0")])
-    assert "at or below A's" in str(e.value.code) and "\n" not in str(e.value.code)
+    a_above = {**end, "step": 8, "kl": 9.0}
+    (tmp_path / "a-s0" / "metrics.jsonl").write_text(json.dumps(a_above) + "\n")
+    with pytest.raises(SystemExit) as e:             # A above every later checkpoint's KL
+        reach_up.main([str(tmp_path / "c-s0"), str(tmp_path / "a-s0")])
+    assert "no checkpoint past A's step 8" in str(e.value.code)
+    assert "\n" not in str(e.value.code)
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["{tmp}/x/ckpt_0000012.pt", "{tmp}/a-s0", "--name", "bl-s0"], "needs {} where the decay"),
-    (["{tmp}/x/ckpt_0000012.pt", "{tmp}/a-s0"], "--name FORMAT is needed: x is not named"),
-    (["{tmp}/c-s0/ckpt_0000012.pt", "{tmp}/a-s0"], "reach_up.py: error: no run {tmp}/a-s0"),
+    (["{tmp}/x-s0", "{tmp}/a-s0", "--name", "bl-s0"], "needs {} where the decay"),
+    (["{tmp}/x", "{tmp}/a-s0"], "--name FORMAT is needed: x is not named"),
+    (["{tmp}/c-s0", "{tmp}/a-s0"], "reach_up.py: error: no run {tmp}/a-s0"),
 ])
 def test_bad_input_bench_reach_up_refuses_in_one_line(tmp_path, capsys, argv, said):
     with pytest.raises(SystemExit) as e:

@@ -1,12 +1,13 @@
 """Two checkpoints at the same pre-training loss, both at lr 0, by construction (§2.3's "same
-loss", made exact): A is a finished decay (train.py --branch-from); B is a full decay, to lr 0,
-from a later checkpoint of the same constant run, of the length whose final KL is nearest A's.
-A shorter decay ends higher, a longer one lower, so the lengths DECAYS, then next_decay's
-(geometric bisection), are tried until one ends within 1 se of A's KL, REFINE more at most; the
-choice is made on the KL alone, before anything else is measured. The quick start's B, and
-.bench/controls.py's floor (its E1 and E2 pairs).
+loss", made exact): A is a finished decay (train.py --branch-from) of a constant run; B is a full
+decay, to lr 0, from a later checkpoint of the same run, of the length whose final KL is nearest
+A's. A shorter decay ends higher, a longer one lower, so B starts from the latest checkpoint past
+A's end whose KL lies 2 se above A's (start_of), and the lengths DECAYS, then next_decay's
+(geometric bisection), are tried until one ends within 1 se of A's KL, REFINE more at most; every
+choice is made on the KL alone, before anything else is measured. The quick start's B, and the
+search of .bench/controls.py's floor (its E1 and E2 pairs).
 
-    B=$(python .bench/reach_up.py runs/e1-s0/ckpt_0003000.pt runs/e1e-s0)
+    B=$(python .bench/reach_up.py runs/e1-s0 runs/e1e-s0)
 
 trains runs/e1l25-s0, runs/e1l50-s0, ... (one checkpoint each, at the decay's end; --name
 FORMAT, {} the length, names them otherwise), prints the chosen end's checkpoint (stdout) and
@@ -89,40 +90,50 @@ def nearest_decay(start, run_format, target, ends):
     return best, margin, finals
 
 
+def start_of(constant_rows, a):
+    """B's start: the step of the latest evaluated checkpoint of the constant run past A's end
+    whose KL lies at least 2 combined se above A's (a decay from it can end at A's KL), or None."""
+    return max((r["step"] for r in constant_rows if r["step"] > a["step"] and
+                r["kl"] - a["kl"] >= 2 * math.hypot(r["kl_se"], a["kl_se"])), default=None)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("later", help="the later checkpoint of a --schedule const run (B's start)")
+    p.add_argument("constant", help="the --schedule const run folder (B starts from it)")
     p.add_argument("a_run", help="A's run folder, a finished decay (its last evaluation)")
-    p.add_argument("--name", help="B's run names, {} the decay length (default: the later run "
-                   "GROUP-sSEED gives GROUPl{}-sSEED)")
+    p.add_argument("--name", help="B's run names, {} the decay length (default: the constant "
+                   "run GROUP-sSEED gives GROUPl{}-sSEED)")
     args = p.parse_args(argv)
-    source = os.path.basename(os.path.dirname(os.path.abspath(args.later)))     # GROUP-sSEED
-    group_seed = re.fullmatch(r"(.*)-s(\d+)", source)
+    constant = os.path.abspath(args.constant)
+    group_seed = re.fullmatch(r"(.*)-s(\d+)", os.path.basename(constant))
     if args.name is None and not group_seed:
-        p.error(f"--name FORMAT is needed: {source} is not named GROUP-sSEED")
+        p.error(f"--name FORMAT is needed: {os.path.basename(constant)} is not named GROUP-sSEED")
     if "{}" not in (args.name or "{}"):
         p.error(f"--name {args.name!r} needs {{}} where the decay length goes")
     name = args.name or f"{group_seed[1]}l{{}}-s{group_seed[2]}"
-    later_run = os.path.dirname(os.path.abspath(args.later))
-    runs = os.path.dirname(later_run)
     try:
-        a, step = last_eval(args.a_run), train.read_checkpoint(args.later)["step"]
-        for r in data.read_rows(os.path.join(later_run, "metrics.jsonl")):
-            if r["step"] == step and r.get("kl", math.inf) <= a["kl"]:   # no decay reaches up
-                raise ValueError(f"{args.later} is at KL {r['kl']:.4f}, at or below A's "
-                                 f"{a['kl']:.4f}, and every decay from it ends lower: start "
-                                 f"from an earlier checkpoint")
-        best, margin, finals = nearest_decay(args.later, os.path.join(runs, name), a, {})
+        a = last_eval(args.a_run)
+        last_eval(constant)                                   # a missing run: one line
+        rows = [r for r in data.read_rows(os.path.join(constant, "metrics.jsonl"))
+                if "kl" in r and os.path.isfile(train.ckpt_path(constant, r["step"]))]
+        step = start_of(rows, a)
+        if step is None:
+            raise ValueError(f"{args.constant} has no checkpoint past A's step {a['step']} at a KL "
+                             f"2 se above A's {a['kl']:.4f}, so no decay from it ends at A's: "
+                             f"decay A longer (it ends lower)")
+        start = train.ckpt_path(constant, step)
+        best, margin, finals = nearest_decay(start, os.path.join(os.path.dirname(constant),
+                                                                 name), a, {})
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"reach_up.py: error: {data.first_line(e)}")
     print(f"A {os.path.basename(os.path.normpath(args.a_run))} KL {a['kl']:.4f} ± "
-          f"{a['kl_se']:.4f}; B {best['run']} KL {best['kl']:.4f} ({margin:.1f} se apart), from "
-          f"the ends " + ", ".join(f"{d}: {r['kl']:.4f}" for d, r in sorted(finals.items())),
-          file=sys.stderr)
+          f"{a['kl_se']:.4f}; B from step {step}: {best['run']} KL {best['kl']:.4f} ({margin:.1f} "
+          f"se apart), from the ends " + ", ".join(f"{d}: {r['kl']:.4f}" for d, r in
+                                                   sorted(finals.items())), file=sys.stderr)
     if margin >= 2:
-        sys.exit(f"reach_up.py: error: no decay from {args.later} ends within 2 se of A's KL "
-                 f"(nearest {margin:.1f} se): try a later or earlier start")
-    print(train.ckpt_path(os.path.join(runs, best["run"]), best["step"]))
+        sys.exit(f"reach_up.py: error: no decay from {start} ends within 2 se of A's KL "
+                 f"(nearest {margin:.1f} se)")
+    print(train.ckpt_path(os.path.join(os.path.dirname(constant), best["run"]), best["step"]))
 
 
 if __name__ == "__main__":
