@@ -5901,12 +5901,16 @@ def test_bench_reach_up_trains_the_decays_and_prints_b(tmp_path, monkeypatch, ca
     end = data.read_rows(str(tmp_path / "ref" / "ref" / "metrics.jsonl"))[-1]
     (tmp_path / "a-s0").mkdir()                                   # A: ends at step 8 at that KL
     (tmp_path / "a-s0" / "metrics.jsonl").write_text(json.dumps({**end, "step": 8}) + "\n")
+    train.train(train.parse_args(["--branch-from", later, "--decay-steps", "4", "--ckpt-every",
+                                  "2", "--runs", str(tmp_path), "--name", "cl4-s0"]))
+    os.remove(train.ckpt_path(str(tmp_path / "cl4-s0"), 16))     # a decay cut short: resumed
     capsys.readouterr()
     reach_up.main([str(tmp_path / "c-s0"), str(tmp_path / "a-s0")])
     assert capsys.readouterr().out == train.ckpt_path(str(tmp_path / "cl4-s0"), 16) + "\n"
     for d in (1, 2, 4):
         assert train.list_checkpoints(str(tmp_path / f"cl{d}-s0")) == [
-            train.ckpt_path(str(tmp_path / f"cl{d}-s0"), 12 + d)]
+            train.ckpt_path(str(tmp_path / f"cl{d}-s0"), step)
+            for step in ([14, 16] if d == 4 else [12 + d])]
     a_above = {**end, "step": 8, "kl": 9.0}
     (tmp_path / "a-s0" / "metrics.jsonl").write_text(json.dumps(a_above) + "\n")
     with pytest.raises(SystemExit) as e:             # A above every later checkpoint's KL

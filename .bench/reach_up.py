@@ -64,11 +64,13 @@ def next_decay(finals, a_kl):
 
 def decay_end(start, d, run_dir):
     """The last evaluation of run_dir, a full decay of d steps from checkpoint `start` to lr 0
-    (trained where its end is missing), with its length and run name."""
+    (trained where its end is missing, resumed where it was cut short), its length, run name."""
     runs, name = os.path.split(run_dir)
     if not os.path.isfile(train.ckpt_path(run_dir, train.read_checkpoint(start)["step"] + d)):
-        run([sys.executable, "train.py", "--branch-from", start, "--decay-steps", str(d),
-             "--ckpt-every", str(d), "--eval-every", str(d), "--runs", runs, "--name", name])
+        how = (["--resume"] if train.list_checkpoints(run_dir) else
+               ["--branch-from", start, "--decay-steps", str(d), "--ckpt-every", str(d),
+                "--eval-every", str(d)])
+        run([sys.executable, "train.py", *how, "--runs", runs, "--name", name])
     return {**last_eval(run_dir), "decay": d, "run": name}
 
 
@@ -126,6 +128,9 @@ def main(argv=None):
                                                                  name), a, {})
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"reach_up.py: error: {data.first_line(e)}")
+    except KeyboardInterrupt:
+        sys.exit("reach_up.py: interrupted; every decay keeps what it trained: run it again to "
+                 "continue")
     print(f"A {os.path.basename(os.path.normpath(args.a_run))} KL {a['kl']:.4f} ± "
           f"{a['kl_se']:.4f}; B from step {step}: {best['run']} KL {best['kl']:.4f} ({margin:.1f} "
           f"se apart), from the ends " + ", ".join(f"{d}: {r['kl']:.4f}" for d, r in
