@@ -5911,6 +5911,9 @@ def test_bench_reach_up_trains_the_decays_and_prints_b(tmp_path, monkeypatch, ca
         assert train.list_checkpoints(str(tmp_path / f"cl{d}-s0")) == [
             train.ckpt_path(str(tmp_path / f"cl{d}-s0"), step)
             for step in ([14, 16] if d == 4 else [12 + d])]
+    with pytest.raises(ValueError, match="holds another decay .4 steps from .*ckpt_0000012.pt"):
+        reach_up.decay_end(train.ckpt_path(str(tmp_path / "c-s0"), 6), 4,
+                           str(tmp_path / "cl4-s0"))      # a name taken by another start's decay
     a_above = {**end, "step": 8, "kl": 9.0}
     (tmp_path / "a-s0" / "metrics.jsonl").write_text(json.dumps(a_above) + "\n")
     with pytest.raises(SystemExit) as e:             # A above every later checkpoint's KL

@@ -14,6 +14,7 @@ FORMAT, {} the length, names them otherwise), prints the chosen end's checkpoint
 A's and B's KL (stderr); a B more than 2 se from A's KL is a one-line error.
 """
 import argparse
+import json
 import math
 import os
 import re
@@ -67,9 +68,17 @@ def decay_end(start, d, run_dir):
     (trained where its end is missing, resumed where it was cut short), its length, run name."""
     runs, name = os.path.split(run_dir)
     if not os.path.isfile(train.ckpt_path(run_dir, train.read_checkpoint(start)["step"] + d)):
-        how = (["--resume"] if train.list_checkpoints(run_dir) else
-               ["--branch-from", start, "--decay-steps", str(d), "--ckpt-every", str(d),
-                "--eval-every", str(d)])
+        how = ["--branch-from", start, "--decay-steps", str(d), "--ckpt-every", str(d),
+               "--eval-every", str(d)]
+        if train.list_checkpoints(run_dir):          # cut short: resumed, if it is this decay
+            with open(os.path.join(run_dir, "config.json")) as f:
+                was = json.load(f)["args"]
+            if (os.path.realpath(was["branch_from"] or ""), was["decay_steps"]) != (
+                    os.path.realpath(start), d):
+                raise ValueError(f"{run_dir} holds another decay ({was['decay_steps']} steps "
+                                 f"from {was['branch_from']}): move it away, or name B's runs "
+                                 f"otherwise (--name)")
+            how = ["--resume"]
         run([sys.executable, "train.py", *how, "--runs", runs, "--name", name])
     return {**last_eval(run_dir), "decay": d, "run": name}
 
