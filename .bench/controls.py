@@ -14,7 +14,7 @@ a rescaling-invariant trace beside Tr F and Tr H, every probe protocol.
                                                   # against a larger model (or L4H4, L8H2)
 
 The pair. E1: A = the floor decayed over 1,000 steps from P + 3,000 (e1_dose.sh's dose-b3), B =
-a full decay from P + 1,000 LATE, of the length (DECAYS, then next_decay's) whose final KL is
+a full decay from P + 1,000 LATE, of the length (reach_up.py's search) whose final KL is
 nearest A's, chosen by KL alone before anything else is measured (dose-finLATE-D). E2, like with
 like: both models trained by the same recipe (L8H2lr5e-3, the primary pair: the 8 x 2 at
 tf-deep's lr, as the paper trains every size at one; L4H4 the 4 x 4, 4x tf-deep's parameters;
