@@ -91,6 +91,12 @@ def main(argv=None):
             h = torch.func.functional_call(base, (p, bufs), (tok,)) * in_sentence
             return F.cross_entropy(h.flatten(1) @ w.T + b, y)
 
+        with torch.no_grad():      # the stacked step computes what K separate copies would
+            each = [F.cross_entropy(probe.concat_features(c.net, tok, lengths, T) @ w[k].T
+                                    + b[k], y) for k, c in enumerate(copies)]
+            assert torch.allclose(torch.func.vmap(loss_of)(stacked, buffers, w, b),
+                                  torch.stack(each), rtol=1e-5), "stacked losses differ"
+
         def batched():
             losses = torch.func.vmap(loss_of)(stacked, buffers, w, b)
             opt_k.zero_grad(set_to_none=True)
