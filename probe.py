@@ -256,38 +256,44 @@ def finetune(pretrained, train_split, test_split, n_classes, seed, lr=3e-3, upda
     probe_map(D, width, seed) (None: the full width D): AdamW at lr after a linear warm-up of
     `warmup` updates, constant after (one run serves every n of `updates`), gradients clipped to
     FT_CLIP, one reshuffle of the training split per pass. `pretrained` is unchanged; the global RNG
-    (dropout's) is restored at the end."""
+    is the caller's whenever the run waits or ends, so runs taken in turns go on as if alone."""
     (tok, lengths, y), (tok_test, lengths_test, y_test) = train_split, test_split
     T = max(tok.shape[1], tok_test.shape[1])  # one head for both splits: T·d inputs
     g = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        net = copy.deepcopy(pretrained).to(device).train()
-        wide = T * net.features(tok[:1].to(device)).shape[-1]
-        R = probe_map(wide, width, seed)
-        R = (torch.eye(wide) if R is None else R.float()).to(device)
-        head = torch.nn.Linear(R.shape[1], n_classes).to(device)
-        params = list(net.parameters()) + list(head.parameters())
-        opt = torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
-        schedule = argparse.Namespace(lr=lr, steps=math.inf, schedule="const", decay_steps=0,
-                                      warmup_steps=warmup)   # no end: no decay
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: train.lr_at(s, schedule) / lr)
-        order = torch.cat([torch.randperm(len(tok), generator=g)
-                           for _ in range(math.ceil(updates[-1] * batch_size / len(tok)))])
-        for step in range(updates[-1]):
-            idx = order[step * batch_size:(step + 1) * batch_size]
-            x = concat_features(net, tok[idx], lengths[idx], T, device) @ R
-            loss = F.cross_entropy(head(x), y[idx].to(device))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, FT_CLIP)
-            opt.step()
-            sched.step()
-            if step + 1 in updates:
-                with torch.no_grad():
-                    x_test = concat_features(net.eval(), tok_test, lengths_test, T, device)
-                    yield step + 1, head(x_test @ R).argmax(1).eq(y_test.to(device)).cpu()
-                net.train()
+    caller_rng = torch.get_rng_state()  # dropout and the head's init draw from the global RNG:
+    torch.manual_seed(seed)             # this run's own stream, swapped with the caller's
+    net = copy.deepcopy(pretrained).to(device).train()
+    wide = T * net.features(tok[:1].to(device)).shape[-1]
+    R = probe_map(wide, width, seed)
+    R = (torch.eye(wide) if R is None else R.float()).to(device)
+    head = torch.nn.Linear(R.shape[1], n_classes).to(device)
+    params = list(net.parameters()) + list(head.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
+    schedule = argparse.Namespace(lr=lr, steps=math.inf, schedule="const", decay_steps=0,
+                                  warmup_steps=warmup)   # no end: no decay
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: train.lr_at(s, schedule) / lr)
+    order = torch.cat([torch.randperm(len(tok), generator=g)
+                       for _ in range(math.ceil(updates[-1] * batch_size / len(tok)))])
+    for step in range(updates[-1]):
+        idx = order[step * batch_size:(step + 1) * batch_size]
+        x = concat_features(net, tok[idx], lengths[idx], T, device) @ R
+        loss = F.cross_entropy(head(x), y[idx].to(device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, FT_CLIP)
+        opt.step()
+        sched.step()
+        if step + 1 in updates:
+            with torch.no_grad():
+                x_test = concat_features(net.eval(), tok_test, lengths_test, T, device)
+                correct = head(x_test @ R).argmax(1).eq(y_test.to(device)).cpu()
+            run_rng = torch.get_rng_state()   # while this run waits, the caller draws its own
+            torch.set_rng_state(caller_rng)
+            yield step + 1, correct
+            caller_rng = torch.get_rng_state()
+            torch.set_rng_state(run_rng)
+            net.train()
+    torch.set_rng_state(caller_rng)
 
 
 def tuned_finetune(net, train_split, test_split, n_classes, n_seeds, width=None,
@@ -297,8 +303,9 @@ def tuned_finetune(net, train_split, test_split, n_classes, n_seeds, width=None,
     sentence), judged at every n of FT_UPDATES until it diverges (validation below half its
     best); the choice is the (lr, n) of best validation accuracy (ties: more updates, then the
     smaller lr). A choice on the grid's edge widens the grid there, FT_EXTEND times at most: half
-    a decade of lr past an edge lr, twice the last n, half the first (a run replays its first
-    updates exactly: only new points are judged). Seeds 1..n_seeds-1 then run at the choice. ->
+    a decade of lr past an edge lr, twice the last n (the lr's run goes on from where it stood),
+    half the first (a new run: it replays its first updates exactly); only new points are
+    judged. Seeds 1..n_seeds-1 then run at the choice. ->
     (per seed the test correctness at the choice; the grid [{lr, updates, val_acc, test_acc}]
     of seed 0; the chosen grid row; whether it is still on the grid's edge). `partial`: a file
     that keeps the judged points as they come, so that a run stopped midway continues there."""
@@ -313,14 +320,23 @@ def tuned_finetune(net, train_split, test_split, n_classes, n_seeds, width=None,
         grid, stop = kept["grid"], {float(k): v for k, v in kept["stop"].items()}
         correct = {(float(k.split()[0]), int(k.split()[1])): c for k, c in kept["correct"].items()}
         print(f"[finetune] {len(grid)} grid point(s) kept in {partial}", file=sys.stderr)
+    runs = {}                                  # lr -> [its run, suspended; the last n it gave]
     for widened in range(FT_EXTEND + 1):
         for lr in lrs:
             new = tuple(n for n in ups if (lr, n) not in correct and n < stop.get(lr, math.inf))
-            if new and widened:                 # the replay of judged updates prints nothing
+            if not new:
+                continue
+            if widened:                         # the replay of judged updates prints nothing
                 print(f"[finetune] widened: lr {lr:g} run to {new[-1]} updates, first new "
                       f"{new[0]}", file=sys.stderr, flush=True)
-            for n, c in finetune(net, fit, judged, n_classes, 0, lr, new, width,
-                                 device=device) if new else ():
+            if runs.get(lr, [None, math.inf])[1] >= new[0]:   # it cannot go back: a new run
+                later = tuple(ups[-1] * 2 ** k for k in range(1, FT_EXTEND - widened + 1))
+                runs[lr] = [finetune(net, fit, judged, n_classes, 0, lr, new + later, width,
+                                     device=device), 0]
+            for n, c in runs[lr][0]:
+                runs[lr][1] = n
+                if n not in new:                # a later round's point, passed on the way
+                    continue
                 correct[lr, n], val = c[n_val:], c[:n_val].float().mean().item()
                 grid.append({"lr": lr, "updates": n, "val_acc": val,
                              "test_acc": c[n_val:].float().mean().item()})
@@ -333,7 +349,7 @@ def tuned_finetune(net, train_split, test_split, n_classes, n_seeds, width=None,
                         "of": settings, "grid": grid,
                         "stop": {str(k): v for k, v in stop.items()},
                         "correct": {f"{k[0]!r} {k[1]}": c for k, c in correct.items()}})
-                if diverged:
+                if diverged or n == new[-1]:
                     break
         # 100 validation sentences tie often; within a run test accuracy rose with the updates
         # until the run diverged (.bench/RESULTS.md), so a tie goes to the longer run

@@ -4399,6 +4399,31 @@ def test_probe_finetune_learns_first_token_task():
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())  # model untouched
 
 
+def test_probe_finetune_runs_taken_in_turns_go_on_as_if_alone():
+    """With dropout, two runs advanced in turns while the caller draws too (as tuned_finetune
+    goes on with a run after the others): each run's outcomes are its own run's alone, and the
+    caller's draws are the ones it makes without any run."""
+    g = torch.Generator().manual_seed(0)
+    tok = torch.randint(0, 6, (200, 5), generator=g)
+    split = (tok, torch.full((200,), 5), tok[:, 0] % 2)
+    test = (tok, torch.full((200,), 5), torch.randint(0, 2, (200,), generator=g))  # random labels
+    cfg = model.config_from_preset("tf-2m", vocab_size=6 + data.N_SPECIAL, pad_id=data.pad_id(6),
+                                   max_len=5, n_layers=1, dropout=0.3)
+    net = model.build(cfg)
+    run = lambda seed: probe.finetune(net, split, test, 2, seed, 1e-3, (1, 2, 3), warmup=2)
+    alone = {seed: [c for _, c in run(seed)] for seed in (0, 1)}
+    torch.manual_seed(7)
+    own_draws = torch.rand(4)
+    torch.manual_seed(7)
+    a, b, draws, turns = run(0), run(1), [], {0: [], 1: []}
+    for seed, r in [(0, a), (1, b), (1, b), (0, a), (0, a), (1, b)]:
+        turns[seed].append(next(r)[1])
+        draws.append(torch.rand(1)) if len(draws) < 4 else None
+    assert all(torch.equal(x, y) for seed in (0, 1) for x, y in zip(turns[seed], alone[seed]))
+    assert not torch.equal(alone[0][2], alone[1][2])
+    assert torch.equal(torch.cat(draws), own_draws)
+
+
 @pytest.mark.parametrize("width", [None, 4])
 def test_probe_finetune_head_reads_the_width_asked_for(monkeypatch, width):
     """The head's map is probe_map(T·d, width, seed): the whole width where none is given (the
@@ -4498,25 +4523,31 @@ def test_probe_tuned_finetune_keeps_its_grid_points_when_stopped(monkeypatch, tm
     assert (best["lr"], best["updates"]) == (1e-3, 80)
 
 
-@pytest.mark.parametrize("right, rounds, calls, choice, edge", [
-    # (1e-2, 80) is on two edges: half a decade below and twice the updates are judged; 3e-2
-    # diverged at 80 (1 of 4 after 3), so it is not run again; the choice is then inside
+@pytest.mark.parametrize("right, rounds, calls, points, choice, edge", [
+    # (1e-2, 80) is on two edges: half a decade below and twice the updates are judged, 1e-2's
+    # run going on to 160; 3e-2 diverged at 80 (1 of 4 after 3), so it is not run again; the
+    # choice is then inside
     ({(1e-2, 40): 2, (1e-2, 80): 3, (3e-2, 40): 3, (3e-2, 80): 1, (3e-3, 160): 2}, 1,
-     [(1e-2, (40, 80)), (3e-2, (40, 80)), (3e-3, (40, 80, 160)), (1e-2, (160,))],
-     (1e-2, 80), False),
-    # (3e-2, 40) is on the top lr and the first n: 0.1 and n 20 join; (0.1, 80) wins, and is
-    # on the edge still, with FT_EXTEND rounds done
+     [(1e-2, (40, 80, 160)), (3e-2, (40, 80, 160)), (3e-3, (40, 80, 160))],
+     [(1e-2, 40), (1e-2, 80), (3e-2, 40), (3e-2, 80), (3e-3, 40), (3e-3, 80), (3e-3, 160),
+      (1e-2, 160)], (1e-2, 80), False),
+    # (3e-2, 40) is on the top lr and the first n: 0.1 and n 20 join (20: new runs, as no run
+    # goes back); (0.1, 80) wins, and is on the edge still, with FT_EXTEND rounds done
     ({(1e-2, 40): 2, (3e-2, 40): 3, (3e-2, 80): 2, (0.1, 80): 4}, 1,
-     [(1e-2, (40, 80)), (3e-2, (40, 80)), (1e-2, (20,)), (3e-2, (20,)), (0.1, (20, 40, 80))],
-     (0.1, 80), True),
-    ({(1e-2, 40): 2, (3e-2, 40): 3}, 0, [(1e-2, (40, 80)), (3e-2, (40, 80))], (3e-2, 40), True),
+     [(1e-2, (40, 80, 160)), (3e-2, (40, 80, 160)), (1e-2, (20,)), (3e-2, (20,)),
+      (0.1, (20, 40, 80))],
+     [(1e-2, 40), (1e-2, 80), (3e-2, 40), (3e-2, 80), (1e-2, 20), (3e-2, 20), (0.1, 20),
+      (0.1, 40), (0.1, 80)], (0.1, 80), True),
+    ({(1e-2, 40): 2, (3e-2, 40): 3}, 0, [(1e-2, (40, 80)), (3e-2, (40, 80))],
+     [(1e-2, 40), (1e-2, 80), (3e-2, 40), (3e-2, 80)], (3e-2, 40), True),
 ])
 def test_probe_tuned_finetune_widens_the_grid_past_an_edge_choice(monkeypatch, right, rounds,
-                                                                   calls, choice, edge):
+                                                                   calls, points, choice, edge):
     """A choice on the grid's edge (FT_LRS (1e-2, 3e-2) x FT_UPDATES (40, 80)) widens it there,
     FT_EXTEND rounds at most: half a decade of lr (3e-3 below 1e-2, 0.1 above 3e-2), twice the
-    last n or half the first; only the new points are judged, and a diverged lr not past its
-    stop. The row says whether the choice is on the widened grid's edge."""
+    last n (each seed-0 run is asked for it from the start and goes on to it only if asked) or
+    half the first; only the new points are judged, and a diverged lr not past its stop. The
+    row says whether the choice is on the widened grid's edge."""
     monkeypatch.setattr(probe, "FT_LRS", (1e-2, 3e-2))
     monkeypatch.setattr(probe, "FT_UPDATES", (40, 80))
     monkeypatch.setattr(probe, "FT_EXTEND", rounds)
@@ -4532,8 +4563,7 @@ def test_probe_tuned_finetune_widens_the_grid_past_an_edge_choice(monkeypatch, r
     _, grid, best, at_edge = probe.tuned_finetune(None, split(0, 20), split(20, 26), 2, 2)
     assert [r[1:] for r in runs[:-1]] == calls and all(r[0] == 0 for r in runs[:-1])
     assert runs[-1] == (1, choice[0], (choice[1],))            # seed 1 at the choice alone
-    assert sorted((r["lr"], r["updates"]) for r in grid) == sorted(
-        (lr, n) for lr, at in calls for n in at)                   # each point judged once
+    assert [(r["lr"], r["updates"]) for r in grid] == points       # each point judged once
     assert (best["lr"], best["updates"]) == choice and at_edge == edge
 
 
