@@ -5569,31 +5569,38 @@ print("Traceback" in err)
 """
 
 
-@pytest.mark.parametrize("script, sig", [("probe.py", "INT"), ("hessian.py", "TERM")])
-def test_faults_ctrl_c_and_sigterm_in_hessian_and_probe(tmp_path, script, sig):
-    """Interrupted after its first row: one line (what was saved, how to continue), no
-    traceback; the same command again measures the rest and skips what is done: one row per
-    checkpoint, none twice."""
-    train.train(train.parse_args(_train_args(tmp_path, "--steps", 3, "--ckpt-every", 1,
-                                             name="a")))
-    ckpts = sorted(str(p) for p in (tmp_path / "a").glob("ckpt_*.pt"))
-    extra = (["--task", "3", "--n-train", "100", "--n-test", "50", "--probe-seeds", "1", "--probe",
-              "adamw", "--epochs", "500"] if script == "probe.py" else
-             ["--sentences", "100", "--repeats", "4", "--hvp-sentences", "50",
-              "--fisher-gap", "10"])
-    assert len(ckpts) == 3          # work left after the first row, however slow the signal
-    p = subprocess.run([sys.executable, "-c", _CTRL_C, script, *ckpts, *extra],
-                       cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
-                       text=True, timeout=300, env=dict(os.environ, SIG=sig))
-    code, last, traceback = p.stdout.strip().splitlines()[-3:]
-    assert code == "1" and traceback == "False", p.stdout
-    saved = re.search(rf"{script}: interrupted; ([12]) checkpoint\(s\) .* again", last)
-    assert saved, last                          # 1, or 2 if the next one beat the signal
-    out = tmp_path / "a" / ("probe.jsonl" if script == "probe.py" else "hessian.jsonl")
-    assert len(out.read_text().splitlines()) == int(saved[1])
-    (probe.main if script == "probe.py" else hessian.main)(ckpts + extra)
-    steps = [json.loads(r)["step"] for r in out.read_text().splitlines()]
-    assert sorted(steps) == sorted(set(steps)) and len(steps) == len(ckpts)
+def test_faults_ctrl_c_and_sigterm_in_hessian_and_probe(tmp_path):
+    """Interrupted after its first row (probe.py by SIGINT, hessian.py by SIGTERM, the two side
+    by side): one line (what was saved, how to continue), no traceback; the same command again
+    measures the rest and skips what is done: one row per checkpoint, none twice."""
+    extra = {"probe.py": ["--task", "3", "--n-train", "100", "--n-test", "50", "--probe-seeds",
+                          "1", "--probe", "adamw", "--epochs", "500"],
+             "hessian.py": ["--sentences", "100", "--repeats", "4", "--hvp-sentences", "50",
+                            "--fisher-gap", "10"]}
+    ckpts, procs = {}, {}
+    for script, sig in (("probe.py", "INT"), ("hessian.py", "TERM")):
+        train.train(train.parse_args(_train_args(tmp_path, "--steps", 3, "--ckpt-every", 1,
+                                                 name=script)))      # the run folder: its name
+        ckpts[script] = sorted(str(p) for p in (tmp_path / script).glob("ckpt_*.pt"))
+        assert len(ckpts[script]) == 3    # work left after the first row, however slow the signal
+        procs[script] = subprocess.Popen(
+            [sys.executable, "-c", _CTRL_C, script, *ckpts[script], *extra[script]],
+            cwd=os.path.dirname(os.path.abspath(__file__)), stdout=subprocess.PIPE, text=True,
+            env=dict(os.environ, SIG=sig))
+    for script, p in procs.items():
+        try:
+            stdout = p.communicate(timeout=300)[0]
+        finally:
+            p.kill()                                  # never left running, whatever happened
+        code, last, traceback = stdout.strip().splitlines()[-3:]
+        assert code == "1" and traceback == "False", (script, stdout)
+        saved = re.search(rf"{script}: interrupted; ([12]) checkpoint\(s\) .* again", last)
+        assert saved, (script, last)            # 1, or 2 if the next one beat the signal
+        out = tmp_path / script / ("probe.jsonl" if script == "probe.py" else "hessian.jsonl")
+        assert len(out.read_text().splitlines()) == int(saved[1])
+        (probe.main if script == "probe.py" else hessian.main)(ckpts[script] + extra[script])
+        steps = [json.loads(r)["step"] for r in out.read_text().splitlines()]
+        assert sorted(steps) == sorted(set(steps)) and len(steps) == len(ckpts[script])
 
 
 # ----------------------------------------------------------- bad input on the measuring surface
