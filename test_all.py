@@ -5587,11 +5587,12 @@ def test_faults_ctrl_c_and_sigterm_in_hessian_and_probe(tmp_path):
             [sys.executable, "-c", _CTRL_C, script, *ckpts[script], *extra[script]],
             cwd=os.path.dirname(os.path.abspath(__file__)), stdout=subprocess.PIPE, text=True,
             env=dict(os.environ, SIG=sig))
-    for script, p in procs.items():
-        try:
-            stdout = p.communicate(timeout=300)[0]
-        finally:
+    try:
+        outs = {script: p.communicate(timeout=300)[0] for script, p in procs.items()}
+    finally:
+        for p in procs.values():
             p.kill()                                  # never left running, whatever happened
+    for script, stdout in outs.items():
         code, last, traceback = stdout.strip().splitlines()[-3:]
         assert code == "1" and traceback == "False", (script, stdout)
         saved = re.search(rf"{script}: interrupted; ([12]) checkpoint\(s\) .* again", last)
