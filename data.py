@@ -878,9 +878,17 @@ def first_line(e):
     return str(e).splitlines()[0] if str(e) else ""
 
 
+def is_command_line(script):
+    """Whether `script` is this process's own command line, not code that others call."""
+    return os.path.basename(getattr(sys.modules["__main__"], "__file__", None) or "") == script
+
+
 def command(script, body, sizes, saved):
     """Run body() as `script`'s command line, every failure (bad input, failed write or
-    allocation: lower `sizes`, Ctrl-C, SIGTERM) one line; saved() says what is saved."""
+    allocation: lower `sizes`, Ctrl-C, SIGTERM) one line; saved() says what is saved. Called
+    from other code (a notebook, a test), SIGINT and SIGTERM are left as they were found."""
+    found = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    own = is_command_line(script)
     signal.signal(signal.SIGTERM, signal.default_int_handler)        # SIGTERM as Ctrl-C
     try:
         return body()
@@ -898,6 +906,10 @@ def command(script, body, sizes, saved):
     except OSError as e:              # a full disk, a file-size limit, a folder refusing writes
         sys.exit(f"{script}: could not write {e.filename or 'a file'}: {e.strerror or e} (no "
                  f"file is left half-written); {saved()}")
+    finally:
+        if not own:                   # the caller goes on: its next Ctrl-C must still work
+            for sig, handler in found.items():
+                signal.signal(sig, handler)
 
 
 def read_rows(path, needs=("step",)):

@@ -34,6 +34,7 @@ import os
 import re
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -5602,6 +5603,32 @@ def test_faults_ctrl_c_and_sigterm_in_hessian_and_probe(tmp_path):
         (probe.main if script == "probe.py" else hessian.main)(ckpts[script] + extra[script])
         steps = [json.loads(r)["step"] for r in out.read_text().splitlines()]
         assert sorted(steps) == sorted(set(steps)) and len(steps) == len(ckpts[script])
+
+
+def test_faults_called_from_other_code_an_interrupt_leaves_the_signal_handlers_as_found(
+        tmp_path, monkeypatch):
+    """A Ctrl-C during train.main, train.train or any script's command called from a notebook
+    (here, this test): the run is saved and said in one line as on the command line, and SIGINT
+    and SIGTERM are as the caller had them, so its next Ctrl-C still works."""
+    found = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    one_update = train.one_update
+
+    def update_then_ctrl_c(run):
+        one_update(run)
+        if run.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)          # as from the keyboard, mid-run
+    monkeypatch.setattr(train, "one_update", update_then_ctrl_c)
+    for name, call in (("m", lambda a: train.main(a)),
+                       ("t", lambda a: train.train(train.parse_args(a)))):
+        with pytest.raises(SystemExit, match="interrupted; saved step 2 in"):
+            call(_train_args(tmp_path, "--steps", 5, name=name))
+        assert {sig: signal.getsignal(sig) for sig in found} == found, name
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+    with pytest.raises(SystemExit, match="x.py: interrupted; nothing written"):
+        data.command("x.py", ctrl_c, "--n", lambda: "nothing written")
+    assert {sig: signal.getsignal(sig) for sig in found} == found
 
 
 # ----------------------------------------------------------- bad input on the measuring surface

@@ -631,15 +631,17 @@ def fmt_time(s):
 @contextlib.contextmanager
 def deferred_interrupts():
     """Ctrl-C and SIGTERM only set a flag (a list, yielded), checked between updates, so the last
-    checkpoint holds whole updates; later signals are ignored, so none can cut it short."""
+    checkpoint holds whole updates; later signals are ignored, so none can cut it short (on the
+    command line to the end; called from other code, until the handlers it found are back)."""
     stop = []
     old = {sig: signal.signal(sig, lambda signum, frame: stop.append(signum))
            for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield stop
     finally:
-        for sig, handler in old.items():      # interrupted: the process is on its way out
-            signal.signal(sig, signal.SIG_IGN if stop else handler)
+        leaving = stop and data.is_command_line("train.py")   # the process is on its way out
+        for sig, handler in old.items():
+            signal.signal(sig, signal.SIG_IGN if leaving else handler)
 
 
 def save(run):
