@@ -5618,8 +5618,7 @@ def test_faults_called_from_other_code_an_interrupt_leaves_the_signal_handlers_a
         if run.step == 2:
             os.kill(os.getpid(), signal.SIGINT)          # as from the keyboard, mid-run
     monkeypatch.setattr(train, "one_update", update_then_ctrl_c)
-    for name, call in (("m", lambda a: train.main(a)),
-                       ("t", lambda a: train.train(train.parse_args(a)))):
+    for name, call in (("m", train.main), ("t", lambda a: train.train(train.parse_args(a)))):
         with pytest.raises(SystemExit, match="interrupted; saved step 2 in"):
             call(_train_args(tmp_path, "--steps", 5, name=name))
         assert {sig: signal.getsignal(sig) for sig in found} == found, name
